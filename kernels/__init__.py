@@ -1,0 +1,1 @@
+"""Triton kernels of titan_lowbit, each with a pure-PyTorch reference of the same math."""

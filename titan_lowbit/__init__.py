@@ -1,0 +1,1 @@
+"""titan_lowbit"""

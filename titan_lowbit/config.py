@@ -1,0 +1,86 @@
+"""The ``[lowbit]`` section of torchtitan's JobConfig.
+
+torchtitan merges this module's ``JobConfig`` into its own when a TOML file says
+``[job] custom_config_module = "titan_lowbit.config"``. Every value is checked here,
+at parse time, so a typo stops the job before a model is built.
+
+The optimizer itself is chosen by torchtitan's own ``[optimizer] name`` (``AdamW8bit``,
+``AdamW4bit``, ...); this section only holds what torchtitan has no key for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
+WEIGHT_UPDATES = ("nearest", "stochastic", "kahan", "master")
+NONFINITE_POLICIES = ("raise", "skip")
+
+
+def _check_choice(key: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(
+            f"[lowbit] {key} = {value!r} is not valid; choose one of {list(choices)}"
+        )
+
+
+@dataclass
+class LowBit:
+    weight_dtype: str = "auto"
+    """dtype of the (sharded) parameters: "auto" keeps what torchtitan builds
+    (training.dtype), "bfloat16" holds parameters in bf16 (full-BF16 training: no fp32
+    copy of the weights unless weight_update = "master"), "float32" insists on fp32."""
+
+    weight_update: str = "nearest"
+    """How the fp32 AdamW result lands in a bf16 parameter: nearest (plain cast),
+    stochastic (stochastic rounding, seeded by training.seed, step and element), kahan
+    (bf16 compensation buffer), master (fp32 master weights in the optimizer state).
+    Ignored for fp32 parameters, which are updated exactly."""
+
+    block_size: int = 0
+    """Quantization block length along the last dimension; 0 = the format's default
+    (8-bit: 256, 4-bit: 128, fp8: 128)."""
+
+    min_quantized_numel: int = 4096
+    """Parameters with fewer elements keep fp32 optimizer state (norms, biases)."""
+
+    nonfinite_grad: str = "raise"
+    """A NaN/inf gradient: "raise" stops naming the parameter; "skip" skips the whole
+    optimizer step and counts it in the logs."""
+
+    bitnet_filter: list[str] = field(default_factory=lambda: ["output"])
+    """Fully-qualified-name fragments of nn.Linear layers that converter "bitnet" leaves
+    in high precision (default: the output head). Embeddings are never converted."""
+
+    bitnet_precompute_scale: bool = True
+    """Compute every BitNet weight scale after the optimizer step with one all-reduce
+    for all layers (instead of one all-reduce per layer inside the all-gather)."""
+
+    bitnet_int8_backward: bool = True
+    """Compute BitNet grad_input on int8 tensor cores (grad_output quantized row-wise);
+    False computes it in the activation dtype."""
+
+    def __post_init__(self) -> None:
+        _check_choice("weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
+        _check_choice("weight_update", self.weight_update, WEIGHT_UPDATES)
+        _check_choice("nonfinite_grad", self.nonfinite_grad, NONFINITE_POLICIES)
+        if self.block_size < 0 or (self.block_size and self.block_size % 2):
+            raise ValueError(
+                f"[lowbit] block_size = {self.block_size} must be 0 (format default) "
+                "or a positive even number"
+            )
+        if self.min_quantized_numel < 0:
+            raise ValueError(
+                f"[lowbit] min_quantized_numel = {self.min_quantized_numel} must be >= 0"
+            )
+        if isinstance(self.bitnet_filter, str):
+            self.bitnet_filter = [s for s in self.bitnet_filter.split(",") if s]
+
+
+def valid_keys() -> list[str]:
+    return [f.name for f in fields(LowBit)]
+
+
+@dataclass
+class JobConfig:
+    lowbit: LowBit = field(default_factory=LowBit)

@@ -1,0 +1,1 @@
+"""Optimizer front end: formats, AdamW math, param groups, DTensor handling."""
