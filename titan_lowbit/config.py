@@ -8,13 +8,16 @@ The optimizer itself is chosen by torchtitan's own ``[optimizer] name`` (``AdamW
 ``AdamW4bit``, ...); this section only holds what torchtitan has no key for.
 """
 
-from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import get_args, Literal
 
-WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
-WEIGHT_UPDATES = ("nearest", "stochastic", "kahan", "master")
-NONFINITE_POLICIES = ("raise", "skip")
+WeightDtype = Literal["auto", "float32", "bfloat16"]
+WeightUpdate = Literal["nearest", "stochastic", "kahan", "master"]
+NonfinitePolicy = Literal["raise", "skip"]
+WEIGHT_DTYPES = get_args(WeightDtype)
+WEIGHT_UPDATES = get_args(WeightUpdate)
+NONFINITE_POLICIES = get_args(NonfinitePolicy)
 
 
 def _check_choice(key: str, value, choices) -> None:
@@ -26,12 +29,12 @@ def _check_choice(key: str, value, choices) -> None:
 
 @dataclass
 class LowBit:
-    weight_dtype: str = "auto"
+    weight_dtype: WeightDtype = "auto"
     """dtype of the (sharded) parameters: "auto" keeps what torchtitan builds
     (training.dtype), "bfloat16" holds parameters in bf16 (full-BF16 training: no fp32
     copy of the weights unless weight_update = "master"), "float32" insists on fp32."""
 
-    weight_update: str = "nearest"
+    weight_update: WeightUpdate = "nearest"
     """How the fp32 AdamW result lands in a bf16 parameter: nearest (plain cast),
     stochastic (stochastic rounding, seeded by training.seed, step and element), kahan
     (bf16 compensation buffer), master (fp32 master weights in the optimizer state).
@@ -44,7 +47,7 @@ class LowBit:
     min_quantized_numel: int = 4096
     """Parameters with fewer elements keep fp32 optimizer state (norms, biases)."""
 
-    nonfinite_grad: str = "raise"
+    nonfinite_grad: NonfinitePolicy = "raise"
     """A NaN/inf gradient: "raise" stops naming the parameter; "skip" skips the whole
     optimizer step and counts it in the logs."""
 
@@ -77,8 +80,41 @@ class LowBit:
             self.bitnet_filter = [s for s in self.bitnet_filter.split(",") if s]
 
 
-def valid_keys() -> list[str]:
-    return [f.name for f in fields(LowBit)]
+def unknown_keys(cls, data: dict, section: str = "") -> list[str]:
+    """Every ``[section] key`` of a parsed TOML dict that the dataclass ``cls`` lacks,
+    each with the valid keys of its section, recursing into nested sections."""
+    valid = {f.name: f.type for f in fields(cls)}
+    problems = []
+    for key, value in data.items():
+        where = f"[{section}] {key}" if section else f"[{key}]"
+        if key not in valid:
+            problems.append(f"{where} is not a known key; valid keys: {sorted(valid)}")
+        elif is_dataclass(valid[key]) and isinstance(value, dict):
+            problems += unknown_keys(valid[key], value, f"{section}.{key}" if section else key)
+    return problems
+
+
+def _install_key_check() -> None:
+    """Make torchtitan's TOML loader name an unknown key together with the valid ones
+    (torchtitan 0.2.x names only the unknown key). Same acceptance, better message."""
+    from torchtitan.config.manager import ConfigManager
+
+    original = ConfigManager._dict_to_dataclass
+    if getattr(original, "titan_lowbit_checked", False):
+        return
+
+    def _dict_to_dataclass(self, cls, data):
+        top_level = is_dataclass(cls) and "job" in {f.name for f in fields(cls)}
+        if top_level and isinstance(data, dict):
+            if problems := unknown_keys(cls, data):
+                raise ValueError("invalid TOML config:\n  " + "\n  ".join(problems))
+        return original(self, cls, data)
+
+    _dict_to_dataclass.titan_lowbit_checked = True
+    ConfigManager._dict_to_dataclass = _dict_to_dataclass
+
+
+_install_key_check()
 
 
 @dataclass

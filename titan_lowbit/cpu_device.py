@@ -1,0 +1,165 @@
+"""The CPU device path: run the real torchtitan Trainer on a machine with no GPU.
+
+torchtitan 0.2.x picks its device once, at import, through
+``torchtitan.tools.utils.get_device_info()``; with no accelerator it falls back to
+``"cuda"`` and ``torch.cuda``, and the Trainer then fails at ``set_device``. This module
+is the one place where titan_lowbit teaches torchtitan about the CPU:
+
+- ``device_type = "cpu"``, so ``torch.device("cpu:<rank>")`` is used for the model and
+  torch.distributed picks the ``gloo`` backend (gloo implements the all-gather and
+  reduce-scatter that FSDP2 issues);
+- ``device_module = CpuDeviceModule``: the handful of ``torch.cuda``-style calls the
+  Trainer and its memory monitor make (``set_device``, ``memory_stats``, ...), answered
+  for the process (peak resident memory stands in for the allocator's peak).
+
+It is switched on by :func:`enable` when ``torch.cuda.is_available()`` is false (see
+``titan_lowbit/__init__.py``), or explicitly with ``TITAN_LOWBIT_DEVICE=cpu``.
+Nothing here changes any math: the model, the optimizer and FSDP2 run as they would on
+a GPU, with the pure-PyTorch reference kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import sys
+from types import SimpleNamespace
+
+import torch
+
+_ENV = "TITAN_LOWBIT_DEVICE"
+
+
+def _peak_rss_bytes() -> int:
+    # ru_maxrss is KiB on Linux, bytes on macOS.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def _total_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+class CpuDeviceModule:
+    """The subset of the ``torch.cuda`` module interface that torchtitan calls.
+
+    Memory figures are per process: "reserved" and "active" peaks are both the peak
+    resident set size, which is what a user of a CPU run can act on.
+    """
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def set_device(device) -> None:  # one address space: nothing to select
+        return None
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        return None
+
+    @staticmethod
+    def get_device_name(device=None) -> str:
+        return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+    @staticmethod
+    def get_device_properties(device=None):
+        return SimpleNamespace(total_memory=_total_memory_bytes(), name="cpu")
+
+    @staticmethod
+    def memory_stats(device=None) -> dict[str, int]:
+        peak = _peak_rss_bytes()
+        return {
+            "active_bytes.all.peak": peak,
+            "reserved_bytes.all.peak": peak,
+            "num_alloc_retries": 0,
+            "num_ooms": 0,
+        }
+
+    @staticmethod
+    def reset_peak_memory_stats(device=None) -> None:
+        return None  # the OS keeps the process peak; it cannot be reset
+
+    @staticmethod
+    def empty_cache() -> None:
+        return None
+
+
+def wanted() -> bool:
+    """True when this process should run torchtitan on the CPU."""
+    choice = os.environ.get(_ENV, "").lower()
+    if choice not in ("", "cpu", "auto", "cuda"):
+        raise ValueError(f"{_ENV}={choice!r}: use 'cpu', 'cuda' or 'auto' (the default)")
+    if choice == "cpu":
+        return True
+    if choice == "cuda":
+        return False
+    return not torch.cuda.is_available()
+
+
+def enable() -> None:
+    """Point torchtitan's device globals at the CPU, everywhere they were copied.
+
+    torchtitan modules import ``device_type``/``device_module`` by name, so each module
+    that holds a copy is updated; the list is checked so a torchtitan upgrade that
+    moves them fails loudly instead of half-switching.
+    """
+    import torchtitan.components.metrics as metrics
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    import torchtitan.distributed.utils as dist_utils
+    import torchtitan.tools.profiling as profiling
+    import torchtitan.tools.utils as tt_utils
+
+    holders = {
+        tt_utils: ("device_type", "device_module"),
+        dist_utils: ("device_type", "device_module"),
+        metrics: ("device_type", "device_module"),
+        parallel_dims: ("device_type",),
+        profiling: ("device_module",),
+    }
+    values = {"device_type": "cpu", "device_module": CpuDeviceModule}
+    for module, names in holders.items():
+        for name in names:
+            if not hasattr(module, name):
+                raise RuntimeError(
+                    f"titan_lowbit's CPU path expects {module.__name__}.{name}; this "
+                    "torchtitan version is not supported (need torchtitan>=0.2.2,<0.3)"
+                )
+            setattr(module, name, values[name])
+
+
+def is_enabled() -> bool:
+    import torchtitan.tools.utils as tt_utils
+
+    return tt_utils.device_type == "cpu"
+
+
+def use_gloo_reductions(model: torch.nn.Module) -> int:
+    """Make FSDP2 reduce gradients with ReduceOp.SUM and divide afterwards.
+
+    torchtitan sets a gradient divide factor (the global token count) on every FSDP2
+    module; FSDP2 then reduce-scatters with NCCL's ``PREMUL_SUM``, which gloo lacks.
+    SUM followed by the same division is the same math. Returns the number of FSDP2
+    modules changed.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+            changed += 1
+    return changed

@@ -1,0 +1,175 @@
+"""torchtitan's ``build_optimizers_fn`` for titan_lowbit's optimizers.
+
+``[optimizer] name`` keeps its meaning: ``Adam`` and ``AdamW`` go to the model's own
+torchtitan builder, untouched, unless ``[lowbit] weight_update`` asks for a BF16 update
+rule torch's AdamW does not have; every other valid name is a titan_lowbit optimizer
+from :data:`titan_lowbit.optim.OPTIMIZERS`, built into torchtitan's own
+``OptimizersContainer`` so checkpointing, LR schedulers and hooks work as before.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torchtitan.components.optimizer import (
+    build_optimizers as torchtitan_build_optimizers,
+    OptimizersContainer,
+    OptimizersInBackwardContainer,
+)
+from torchtitan.tools.logging import logger
+
+from titan_lowbit.config import LowBit
+
+# titan_lowbit.optim (and with it Triton) is imported only when an optimizer name needs
+# it, so a run with torch's Adam/AdamW loads no kernels.
+
+TORCH_OPTIMIZERS = ("Adam", "AdamW")
+FP32_ADAMW_STATE_BYTES = 8.0
+
+
+def valid_optimizer_names() -> list[str]:
+    from titan_lowbit.optim import OPTIMIZERS
+
+    return sorted(set(TORCH_OPTIMIZERS) | set(OPTIMIZERS))
+
+
+def check_optimizer_name(name: str) -> None:
+    if name not in valid_optimizer_names():
+        raise ValueError(
+            f"[optimizer] name = {name!r} is not a known optimizer; choose one of "
+            f"{valid_optimizer_names()}"
+        )
+
+
+class NamedParamsOptimizer:
+    """Builds an optimizer from torchtitan's bare parameter list, adding the parameters'
+    fully qualified names, so that every error and log line can name the parameter."""
+
+    def __init__(self, optimizer_cls: type[torch.optim.Optimizer], model_parts: list[nn.Module]):
+        self.optimizer_cls = optimizer_cls
+        self.names = {p: n for m in model_parts for n, p in m.named_parameters()}
+
+    def __call__(self, params, **kwargs) -> torch.optim.Optimizer:
+        return self.optimizer_cls([(self.names[p], p) for p in params], **kwargs)
+
+
+def _params(model_parts: list[nn.Module]) -> list[nn.Parameter]:
+    return [p for m in model_parts for p in m.parameters() if p.requires_grad]
+
+
+def state_bytes_per_param(optimizers: OptimizersContainer) -> float:
+    """Optimizer-state bytes per trainable parameter element, over all model parts."""
+    total_bytes = total_numel = 0.0
+    for opt in optimizers:
+        numel = sum(p.numel() for g in opt.param_groups for p in g["params"])
+        if hasattr(opt, "state_bytes_per_param"):  # titan_lowbit.optim.LowBitAdamW
+            total_bytes += opt.state_bytes_per_param() * numel
+        else:  # torch Adam/AdamW: exp_avg and exp_avg_sq in the parameter's dtype
+            total_bytes += sum(
+                2 * p.numel() * p.element_size() for g in opt.param_groups for p in g["params"]
+            )
+        total_numel += numel
+    return total_bytes / max(total_numel, 1)
+
+
+def build_lowbit_optimizers(
+    model_parts: list[nn.Module],
+    optimizer_config,
+    parallel_dims,
+    ft_manager=None,
+    *,
+    lowbit: LowBit,
+    seed: int,
+    base_builder: Callable[..., OptimizersContainer],
+) -> OptimizersContainer:
+    name = optimizer_config.name
+    check_optimizer_name(name)
+    use_torch = name in TORCH_OPTIMIZERS and lowbit.weight_update == "nearest"
+    if use_torch:
+        return base_builder(model_parts, optimizer_config, parallel_dims, ft_manager)
+
+    if base_builder is not torchtitan_build_optimizers:
+        raise NotImplementedError(
+            f"[optimizer] name = {name!r}: this model's train spec builds its optimizers "
+            f"with {getattr(base_builder, '__qualname__', base_builder)}, whose extra "
+            "behaviour titan_lowbit cannot reproduce around its own optimizers; use "
+            "Adam/AdamW for this model."
+        )
+    if ft_manager is not None and getattr(ft_manager, "enabled", False):
+        raise NotImplementedError(
+            f"[optimizer] name = {name!r} is not supported with torchft fault tolerance; "
+            "disable [fault_tolerance] or use Adam/AdamW."
+        )
+    from titan_lowbit.optim import LowBitAdamW, OPTIMIZERS
+
+    kwargs = dict(
+        lr=optimizer_config.lr,
+        betas=(optimizer_config.beta1, optimizer_config.beta2),
+        eps=optimizer_config.eps,
+        weight_decay=optimizer_config.weight_decay,
+        weight_update=lowbit.weight_update,
+        block_size=lowbit.block_size,
+        min_quantized_numel=lowbit.min_quantized_numel,
+        seed=seed,
+        nonfinite_grad=lowbit.nonfinite_grad,
+        **OPTIMIZERS[name],
+    )
+    factory = NamedParamsOptimizer(LowBitAdamW, model_parts)
+    if optimizer_config.early_step_in_backward:
+        return OptimizersInBackwardContainer(model_parts, factory, kwargs)
+    return OptimizersContainer(model_parts, factory, kwargs)
+
+
+def describe(optimizers: OptimizersContainer, optimizer_name: str, lowbit: LowBit, converters) -> str:
+    """The one start-up line saying what titan_lowbit changed."""
+    params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in params})
+    first = next(iter(optimizers))
+    if hasattr(first, "state_bytes_per_param"):  # titan_lowbit.optim.LowBitAdamW
+        fmt = first.defaults["state_format"]
+        opt_desc = f"{optimizer_name} (titan_lowbit, state format {fmt})"
+    else:
+        opt_desc = f"{optimizer_name} (torch, state in parameter dtype)"
+    update = lowbit.weight_update if "bfloat16" in dtypes else "exact (fp32 weights)"
+    per_param = state_bytes_per_param(optimizers)
+    return (
+        f"titan_lowbit: converters {list(converters) or 'none'}; optimizer {opt_desc}; "
+        f"weights {'/'.join(dtypes)}, bf16 update {update}; optimizer state "
+        f"{per_param:.3f} B/param vs {FP32_ADAMW_STATE_BYTES:.0f} for fp32 AdamW "
+        f"({FP32_ADAMW_STATE_BYTES / max(per_param, 1e-9):.2f}x less)"
+    )
+
+
+def wrap_build_optimizers(base_builder, config_of: Callable[[list[nn.Module]], object]):
+    """Wrap a train spec's ``build_optimizers_fn``; ``config_of(model_parts)`` returns
+    the JobConfig the model parts were parallelized with."""
+
+    @functools.wraps(base_builder)
+    def build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=None):
+        job_config = config_of(model_parts)
+        lowbit = getattr(job_config, "lowbit", None) or LowBit()
+        optimizers = build_lowbit_optimizers(
+            model_parts,
+            optimizer_config,
+            parallel_dims,
+            ft_manager,
+            lowbit=lowbit,
+            seed=job_config.debug.seed or 0,
+            base_builder=base_builder,
+        )
+        logger.info(describe(optimizers, optimizer_config.name, lowbit, job_config.model.converters))
+        if lowbit.weight_update != "nearest" and not any(
+            p.dtype == torch.bfloat16 for p in _params(model_parts)
+        ):
+            logger.warning(
+                f"titan_lowbit: [lowbit] weight_update = {lowbit.weight_update!r} has no "
+                "effect: all parameters are fp32 and are updated exactly. Set [lowbit] "
+                'weight_dtype = "bfloat16" for full-BF16 training.'
+            )
+        return optimizers
+
+    build_optimizers.titan_lowbit_wrapped = True
+    return build_optimizers

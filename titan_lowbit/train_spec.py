@@ -1,0 +1,98 @@
+"""Wrap every torchtitan train spec so ``[optimizer]`` and ``[lowbit]`` reach it.
+
+The user keeps ``[model] name = "llama3"`` (or any built-in model). torchtitan's Trainer
+asks ``torchtitan.protocols.train_spec.get_train_spec(name)`` for the spec; titan_lowbit
+replaces that one function with one that returns the same spec with two builders
+wrapped:
+
+- ``parallelize_fn`` first applies ``[lowbit] weight_dtype`` to the (meta) model, so
+  FSDP2 shards and initializes parameters in that dtype, then parallelizes as before,
+  and remembers which JobConfig the model was built with;
+- ``build_optimizers_fn`` (see :mod:`titan_lowbit.optimizer_builder`) reads that
+  JobConfig, because torchtitan passes it only the ``[optimizer]`` section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import weakref
+
+import torch
+import torch.nn as nn
+import torchtitan.protocols.train_spec as train_spec_module
+
+from titan_lowbit import cpu_device
+from titan_lowbit.config import LowBit
+from titan_lowbit.optimizer_builder import wrap_build_optimizers
+
+_JOB_CONFIGS: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
+_original_get_train_spec = train_spec_module.get_train_spec
+
+
+def job_config_of(model_parts: list[nn.Module]):
+    for model in model_parts:
+        if model in _JOB_CONFIGS:
+            return _JOB_CONFIGS[model]
+    raise RuntimeError(
+        "titan_lowbit's optimizer builder got model parts that were not parallelized "
+        "through titan_lowbit's wrapped train spec; build the model with "
+        "torchtitan.protocols.train_spec.get_train_spec() after `import titan_lowbit`."
+    )
+
+
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> int:
+    """Re-create every floating-point parameter in ``dtype`` (buffers are left alone:
+    RoPE tables stay in their precision). Returns how many were cast."""
+    cast = 0
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.is_floating_point() and param.dtype != dtype:
+                module.register_parameter(
+                    name, nn.Parameter(param.to(dtype), requires_grad=param.requires_grad)
+                )
+                cast += 1
+    return cast
+
+
+def apply_weight_dtype(model: nn.Module, job_config) -> None:
+    lowbit = getattr(job_config, "lowbit", None) or LowBit()
+    training_dtype = job_config.training.dtype
+    if lowbit.weight_dtype == "bfloat16":
+        cast_parameters(model, torch.bfloat16)
+    elif lowbit.weight_dtype == "float32" and training_dtype != "float32":
+        raise ValueError(
+            f'[lowbit] weight_dtype = "float32" contradicts [training] dtype = '
+            f'"{training_dtype}"; set one of them to match, or weight_dtype = "auto".'
+        )
+
+
+def wrap_parallelize(parallelize_fn):
+    @functools.wraps(parallelize_fn)
+    def parallelize(model, parallel_dims, job_config, *args, **kwargs):
+        apply_weight_dtype(model, job_config)
+        model = parallelize_fn(model, parallel_dims, job_config, *args, **kwargs)
+        if cpu_device.is_enabled():
+            cpu_device.use_gloo_reductions(model)
+        _JOB_CONFIGS[model] = job_config
+        return model
+
+    return parallelize
+
+
+def wrap(spec: train_spec_module.TrainSpec) -> train_spec_module.TrainSpec:
+    if getattr(spec.build_optimizers_fn, "titan_lowbit_wrapped", False):
+        return spec
+    return dataclasses.replace(
+        spec,
+        parallelize_fn=wrap_parallelize(spec.parallelize_fn),
+        build_optimizers_fn=wrap_build_optimizers(spec.build_optimizers_fn, job_config_of),
+    )
+
+
+def get_train_spec(name: str) -> train_spec_module.TrainSpec:
+    return wrap(_original_get_train_spec(name))
+
+
+def register() -> None:
+    train_spec_module.get_train_spec = get_train_spec
