@@ -1,0 +1,146 @@
+"""int8 x int8 -> int32 matmul with the BitNet scales fused in the epilogue (Triton).
+
+Math:
+    out[m, n] = ( sum_k a[m, k] * b[n, k] ) * a_scale[m] * b_scale          (exact int32 sum,
+                                                                             one fp32 epilogue)
+    a: int8 [M, K] (row-quantized activations or grad_output), a_scale: fp32 [M]
+    b: int8 [N, K] (ternary weight, or its transpose for grad_input), b_scale: fp32 0-d
+    out: [M, N] in the activation dtype (fp32 / bf16 / fp16)
+
+Both operands are K-contiguous ("K-major"): Hopper's 8-bit wgmma reads both operands
+K-major from shared memory, so the backward pass hands this kernel a transposed copy of
+the (small) ternary weight rather than a strided view. |a| <= 127 and |b| <= 127, so an
+int32 accumulator holds K up to 133 000 without overflow (checked).
+
+The forward pass uses it as y = x^ W^T (a = x codes, b = W codes); grad_input as
+dx = dy^ W (a = dy codes, b = W codes transposed).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# 127 * 127 * K < 2**31  <=>  K < 133 144
+MAX_K = (2**31 - 1) // (127 * 127)
+
+
+def _configs() -> list[triton.Config]:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        # The interpreter runs every program in numpy; one small tile keeps tests quick
+        # and exercises the ragged masks.
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2},
+                              num_warps=4, num_stages=1)]
+    cfgs = []
+    for bm, bn, bk, warps, stages in (
+        (128, 256, 128, 8, 3),
+        (256, 128, 128, 8, 3),
+        (128, 128, 128, 4, 4),
+        (128, 128, 128, 8, 4),
+        (128, 256, 64, 8, 4),
+        (64, 128, 128, 4, 4),
+    ):
+        cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
+                                  num_warps=warps, num_stages=stages))
+    return cfgs
+
+
+@triton.autotune(configs=_configs(), key=["M", "N", "K"])
+@triton.jit
+def _int8_matmul_kernel(
+    a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, out_ptr,
+    M, N, K,
+    stride_am, stride_bn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Grouped program order: GROUP_M row tiles share each column tile of b while it sits in L2.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_rows
+    pid_n = (pid % group) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Clamp out-of-range rows to a valid row: loads stay in bounds without a row mask,
+    # and the store below is masked.
+    rows_a = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    rows_b = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + rows_b[None, :] * stride_bn + offs_k[:, None]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None], other=0)
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
+    b_scale = tl.load(b_scale_ptr)
+    out = acc.to(tl.float32) * (a_scale[:, None] * b_scale)
+    o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty),
+             mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+def _check(a, b, a_scale, b_scale, out_dtype):
+    if a.dtype != torch.int8 or b.dtype != torch.int8:
+        raise TypeError(f"BitNet int8 matmul takes int8 operands, got {a.dtype} and {b.dtype}")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"BitNet int8 matmul: shapes {tuple(a.shape)} and {tuple(b.shape)} "
+                         "must be [M, K] and [N, K]")
+    if a.shape[1] > MAX_K:
+        raise ValueError(f"BitNet int8 matmul: K = {a.shape[1]} > {MAX_K} could overflow the "
+                         "int32 accumulator")
+    if a_scale.shape != (a.shape[0],) or a_scale.dtype != torch.float32:
+        raise ValueError("BitNet int8 matmul: a_scale must be fp32 with one value per row of a")
+    if b_scale.numel() != 1 or b_scale.dtype != torch.float32:
+        raise ValueError("BitNet int8 matmul: b_scale must be a one-element fp32 tensor")
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"BitNet int8 matmul: output dtype {out_dtype} is not one of "
+                        f"{[str(d) for d in OUT_DTYPES]}")
+
+
+def int8_matmul_scaled(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
+                       b_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """(a @ b.T) * a_scale[:, None] * b_scale on int8 tensor cores, written in out_dtype."""
+    _check(a, b, a_scale, b_scale, out_dtype)
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    b = b if b.stride(-1) == 1 else b.contiguous()
+    M, K = a.shape
+    N = b.shape[0]
+    out = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+    _int8_matmul_kernel[grid](a, b, a_scale, b_scale.reshape(()), out, M, N, K,
+                              a.stride(0), b.stride(0), out.stride(0))
+    return out
+
+
+def int8_matmul_scaled_reference(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
+                                 b_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Pure-PyTorch reference: exact integer product (int64 on CPU), same fp32 epilogue."""
+    _check(a, b, a_scale, b_scale, out_dtype)
+    if a.device.type == "cpu":
+        acc = (a.to(torch.int64) @ b.to(torch.int64).T).to(torch.float32)
+    else:
+        # Products of integers below 2**24 are exact in fp32 only per term; use fp64.
+        acc = (a.to(torch.float64) @ b.to(torch.float64).T).to(torch.float32)
+    return (acc * (a_scale[:, None] * b_scale.reshape(()))).to(out_dtype)

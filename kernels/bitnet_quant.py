@@ -1,0 +1,318 @@
+"""BitNet b1.58 quantization kernels (Triton) and their pure-PyTorch references.
+
+Math (arXiv 2402.17764, "BitNet b1.58"), with EPS = 1e-5:
+
+    activations, one scale per row m (row-wise abs-max, 8 bits):
+        s[m]    = max(max_k |x[m, k]|, EPS) / 127              (correctly rounded fp32 division)
+        q[m, k] = clamp(floor(x[m, k] / s[m] + 0.5), -127, 127)  (int8; x ~= q * s)
+
+    weights, one scale per tensor (abs-mean, ternary):
+        g       = max(sum |W| / numel(W), EPS)                  (computed by the caller: under
+                                                                 FSDP the sum spans all shards)
+        t[n, k] = clamp(floor(W[n, k] / g + 0.5), -1, 1)        (int8 in {-1, 0, +1}; W ~= t * g)
+
+    2-bit packing of ternary values, four per byte along the last dimension:
+        code = t + 1 in {0, 1, 2};  byte[n, j] = sum_{i<4} code[n, 4j + i] << (2 i)
+        columns past the end of a row pack as t = 0 (code 1) and are dropped on unpacking.
+
+Both the kernels and the references divide (never multiply by a reciprocal) and round
+half up with floor(v + 0.5): a division cannot be contracted into a fused multiply-add,
+so the GPU kernels and the CPU references give bit-identical codes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+EPS = 1e-5
+QMAX = 127
+SUPPORTED_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Largest row held in registers at once by the activation quantizer; longer rows take
+# two passes over the row (the second one mostly hits L2).
+MAX_SINGLE_PASS_COLS = 16384
+
+
+def check_float_input(name: str, t: torch.Tensor) -> None:
+    """Refuse dtypes the kernels were not written for, naming the tensor and the fix."""
+    if t.dtype not in SUPPORTED_FLOAT_DTYPES:
+        raise TypeError(
+            f"BitNet: {name} has dtype {t.dtype}; the BitNet kernels take "
+            f"{[str(d) for d in SUPPORTED_FLOAT_DTYPES]}. Cast it first "
+            "(training.mixed_precision_param / the model dtype)."
+        )
+
+
+def _check_2d(name: str, t: torch.Tensor) -> None:
+    if t.dim() != 2:
+        raise ValueError(f"BitNet: {name} must be 2-D, got shape {tuple(t.shape)}")
+
+
+# --------------------------------------------------------------------------------------
+# Activation (and grad_output) quantization: row-wise abs-max to int8
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_qm,
+    EPS_C: tl.constexpr, QMAX_C: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE_PASS: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    cols = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    q_row = q_ptr + rows.to(tl.int64)[:, None] * stride_qm
+    if SINGLE_PASS:
+        mask = row_ok[:, None] & (cols[None, :] < K)
+        x = tl.load(x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+        scale = tl.math.div_rn(tl.maximum(amax, EPS_C), tl.full(amax.shape, QMAX_C, tl.float32))
+        v = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+        q = tl.minimum(tl.maximum(tl.floor(v + 0.5), -QMAX_C), QMAX_C)
+        tl.store(q_row + cols[None, :], q.to(tl.int8), mask=mask)
+    else:
+        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            mask = row_ok[:, None] & ((k0 + cols)[None, :] < K)
+            x = tl.load(x_row + (k0 + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        scale = tl.math.div_rn(tl.maximum(amax, EPS_C), tl.full(amax.shape, QMAX_C, tl.float32))
+        for k0 in range(0, K, BLOCK_K):
+            mask = row_ok[:, None] & ((k0 + cols)[None, :] < K)
+            x = tl.load(x_row + (k0 + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
+            v = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+            q = tl.minimum(tl.maximum(tl.floor(v + 0.5), -QMAX_C), QMAX_C)
+            tl.store(q_row + (k0 + cols)[None, :], q.to(tl.int8), mask=mask)
+    tl.store(scale_ptr + rows, scale, mask=row_ok)
+
+
+def quantize_rows(x: torch.Tensor, block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise abs-max int8 quantization of a 2-D tensor in one fused kernel.
+
+    Returns (q int8 [M, K], scale fp32 [M]) with x ~= q * scale[:, None]. One read of x
+    and one write of q: the scale never leaves registers before the quantization.
+    ``block_k`` forces the column tile (tests use it to exercise the two-pass path).
+    """
+    _check_2d("quantize_rows input", x)
+    check_float_input("quantize_rows input", x)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=torch.int8, device=x.device)
+    scale = torch.empty((M,), dtype=torch.float32, device=x.device)
+    if M == 0:
+        return q, scale
+    full = triton.next_power_of_2(max(K, 16))
+    if block_k is None:
+        block_k = min(full, MAX_SINGLE_PASS_COLS)
+    single = block_k >= K
+    # Aim for ~4K elements per program so short rows still give each program real work.
+    block_m = max(1, min(16, 4096 // block_k)) if single else 1
+    num_warps = 4 if block_k * block_m <= 4096 else (8 if block_k * block_m <= 8192 else 16)
+    grid = (triton.cdiv(M, block_m),)
+    _quantize_rows_kernel[grid](
+        x, q, scale, M, K, x.stride(0), q.stride(0),
+        EPS_C=EPS, QMAX_C=float(QMAX), BLOCK_M=block_m, BLOCK_K=block_k,
+        SINGLE_PASS=single, num_warps=num_warps,
+    )
+    return q, scale
+
+
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-PyTorch reference of ``quantize_rows`` (same math, any device)."""
+    _check_2d("quantize_rows input", x)
+    check_float_input("quantize_rows input", x)
+    xf = x.float()
+    amax = xf.abs().amax(dim=1) if x.shape[1] else torch.zeros(x.shape[0], device=x.device)
+    scale = amax.clamp_min(EPS) / QMAX
+    q = torch.floor(xf / scale[:, None] + 0.5).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, scale
+
+
+@triton.jit
+def _dequantize_rows_kernel(
+    q_ptr, scale_ptr, out_ptr, M, K, stride_qm, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    q = tl.load(q_ptr + r64 * stride_qm + cols[None, :], mask=mask, other=0)
+    s = tl.load(scale_ptr + rows, mask=rows < M, other=0.0)
+    out = q.to(tl.float32) * s[:, None]
+    tl.store(out_ptr + r64 * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """out[m, k] = q[m, k] * scale[m], rounded once to ``dtype`` (the saved activation x^)."""
+    _check_2d("dequantize_rows codes", q)
+    if dtype not in SUPPORTED_FLOAT_DTYPES:
+        raise TypeError(f"BitNet: dequantize_rows cannot produce dtype {dtype}")
+    q = q.contiguous()
+    M, K = q.shape
+    out = torch.empty((M, K), dtype=dtype, device=q.device)
+    if q.numel() == 0:
+        return out
+    block_m, block_k = 8, 512
+    grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
+    _dequantize_rows_kernel[grid](q, scale, out, M, K, q.stride(0), out.stride(0),
+                                  BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4)
+    return out
+
+
+def dequantize_rows_reference(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Pure-PyTorch reference of ``dequantize_rows``."""
+    return (q.float() * scale.float()[:, None]).to(dtype)
+
+
+# --------------------------------------------------------------------------------------
+# Weights: ternary values (int8) or ternary values packed four per byte
+# --------------------------------------------------------------------------------------
+
+
+def absmean_scale_reference(w: torch.Tensor, abs_sum: torch.Tensor | None = None,
+                            numel: int | None = None) -> torch.Tensor:
+    """g = max(sum|W| / numel, EPS) as an fp32 0-d tensor.
+
+    ``abs_sum``/``numel`` let a sharded caller pass the all-reduced global sum and the
+    global element count instead of this tensor's own.
+    """
+    if abs_sum is None:
+        abs_sum = w.abs().sum(dtype=torch.float32)
+    n = w.numel() if numel is None else numel
+    return (abs_sum.float() / n).clamp_min(EPS)
+
+
+@triton.jit
+def _ternarize_kernel(
+    w_ptr, scale_ptr, out_ptr, R, C, stride_wr, stride_or,
+    PACK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    # BLOCK_C counts output columns: ternary columns (PACK=False) or packed bytes (PACK=True).
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ocols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_ok = (rows < R)[:, None]
+    r64 = rows.to(tl.int64)[:, None]
+    g = tl.load(scale_ptr)
+    if PACK:
+        packed = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int32)
+        for i in tl.static_range(4):
+            c = ocols * 4 + i
+            m = row_ok & (c < C)[None, :]
+            w = tl.load(w_ptr + r64 * stride_wr + c[None, :], mask=m, other=0.0).to(tl.float32)
+            t = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(w, tl.broadcast_to(g, w.shape)) + 0.5), -1.0), 1.0)
+            packed = packed | ((t.to(tl.int32) + 1) << (2 * i))
+        m = row_ok & (ocols < tl.cdiv(C, 4))[None, :]
+        tl.store(out_ptr + r64 * stride_or + ocols[None, :], packed.to(tl.uint8), mask=m)
+    else:
+        m = row_ok & (ocols < C)[None, :]
+        w = tl.load(w_ptr + r64 * stride_wr + ocols[None, :], mask=m, other=0.0).to(tl.float32)
+        t = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(w, tl.broadcast_to(g, w.shape)) + 0.5), -1.0), 1.0)
+        tl.store(out_ptr + r64 * stride_or + ocols[None, :], t.to(tl.int8), mask=m)
+
+
+def _check_scale(scale: torch.Tensor, like: torch.Tensor) -> None:
+    if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != like.device:
+        raise ValueError(
+            "BitNet: the weight scale must be a one-element fp32 tensor on the weight's "
+            f"device, got shape {tuple(scale.shape)} {scale.dtype} on {scale.device}"
+        )
+
+
+def ternarize(w: torch.Tensor, scale: torch.Tensor, pack: bool = False) -> torch.Tensor:
+    """Ternary codes of a 2-D weight given its (global) abs-mean scale, in one kernel.
+
+    pack=False: int8 [R, C] in {-1, 0, 1} (the matmul operand).
+    pack=True: uint8 [R, ceil(C / 4)], four 2-bit codes per byte (the all-gather payload).
+    """
+    _check_2d("ternarize weight", w)
+    check_float_input("ternarize weight", w)
+    _check_scale(scale, w)
+    if w.stride(-1) != 1:
+        w = w.contiguous()
+    R, C = w.shape
+    out_cols = triton.cdiv(C, 4) if pack else C
+    out = torch.empty((R, out_cols), dtype=torch.uint8 if pack else torch.int8, device=w.device)
+    if out.numel() == 0:
+        return out
+    block_r, block_c = 16, 128 if pack else 256
+    grid = (triton.cdiv(R, block_r), triton.cdiv(out_cols, block_c))
+    _ternarize_kernel[grid](w, scale, out, R, C, w.stride(0), out.stride(0),
+                            PACK=pack, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    return out
+
+
+def ternarize_reference(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Pure-PyTorch reference of ``ternarize(pack=False)``."""
+    _check_2d("ternarize weight", w)
+    check_float_input("ternarize weight", w)
+    _check_scale(scale, w)
+    return torch.floor(w.float() / scale + 0.5).clamp_(-1, 1).to(torch.int8)
+
+
+def pack_ternary_reference(t: torch.Tensor) -> torch.Tensor:
+    """Pack int8 ternary values [R, C] into uint8 [R, ceil(C / 4)] (pads with zeros)."""
+    _check_2d("pack_ternary input", t)
+    if t.dtype != torch.int8:
+        raise TypeError(f"BitNet: pack_ternary takes int8 ternary values, got {t.dtype}")
+    R, C = t.shape
+    pad = (-C) % 4
+    codes = torch.nn.functional.pad(t.to(torch.int32) + 1, (0, pad), value=1)
+    if ((codes < 0) | (codes > 2)).any():
+        raise ValueError("BitNet: pack_ternary input holds values outside {-1, 0, 1}")
+    codes = codes.view(R, -1, 4)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32, device=t.device)
+    return (codes << shifts).sum(dim=2).to(torch.uint8)
+
+
+@triton.jit
+def _unpack_kernel(p_ptr, out_ptr, R, C, stride_pr, stride_or,
+                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    pcols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_ok = (rows < R)[:, None]
+    r64 = rows.to(tl.int64)[:, None]
+    m = row_ok & (pcols < tl.cdiv(C, 4))[None, :]
+    p = tl.load(p_ptr + r64 * stride_pr + pcols[None, :], mask=m, other=0).to(tl.int32)
+    for i in tl.static_range(4):
+        c = pcols * 4 + i
+        t = ((p >> (2 * i)) & 3) - 1
+        tl.store(out_ptr + r64 * stride_or + c[None, :], t.to(tl.int8), mask=row_ok & (c < C)[None, :])
+
+
+def unpack_ternary(packed: torch.Tensor, cols: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Unpack uint8 [R, ceil(cols / 4)] into int8 ternary values [R, cols] (into ``out`` if given)."""
+    _check_2d("unpack_ternary input", packed)
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"BitNet: unpack_ternary takes uint8 packed codes, got {packed.dtype}")
+    R = packed.shape[0]
+    if packed.shape[1] != triton.cdiv(cols, 4):
+        raise ValueError(f"BitNet: {packed.shape[1]} packed bytes per row cannot hold {cols} columns")
+    if out is None:
+        out = torch.empty((R, cols), dtype=torch.int8, device=packed.device)
+    elif out.shape != (R, cols) or out.dtype != torch.int8 or not out.is_contiguous():
+        raise ValueError(f"BitNet: unpack_ternary out must be contiguous int8 {(R, cols)}")
+    if out.numel() == 0:
+        return out
+    packed = packed.contiguous()
+    block_r, block_c = 16, 128
+    grid = (triton.cdiv(R, block_r), triton.cdiv(packed.shape[1], block_c))
+    _unpack_kernel[grid](packed, out, R, cols, packed.stride(0), out.stride(0),
+                         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    return out
+
+
+def unpack_ternary_reference(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """Pure-PyTorch reference of ``unpack_ternary``."""
+    _check_2d("unpack_ternary input", packed)
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"BitNet: unpack_ternary takes uint8 packed codes, got {packed.dtype}")
+    if packed.shape[1] != (cols + 3) // 4:
+        raise ValueError(f"BitNet: {packed.shape[1]} packed bytes per row cannot hold {cols} columns")
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32, device=packed.device)
+    codes = (packed.to(torch.int32)[:, :, None] >> shifts) & 3
+    return (codes.reshape(packed.shape[0], -1)[:, :cols] - 1).to(torch.int8)

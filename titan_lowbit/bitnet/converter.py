@@ -1,0 +1,186 @@
+"""torchtitan model converters for BitNet b1.58.
+
+``bitnet``        swaps the weight of every ``nn.Linear`` (except those whose FQN contains
+                  a ``[lowbit] bitnet_filter`` fragment) for a ``BitNetTrainingWeight``; the
+                  modules, FQNs and state-dict keys stay as they are. Its
+                  ``post_optimizer_hook`` precomputes every weight's scale with one
+                  all-reduce (``[lowbit] bitnet_precompute_scale``).
+``bitnet_subln``  model surgery for torchtitan's llama3 ``TransformerBlock``: an RMSNorm on
+                  the input of every linear of the block (SubLN, as BitNet's BitLinear
+                  normalizes its own input) and the block's ``attention_norm``/``ffn_norm``
+                  removed. Kept separate so ``bitnet`` alone leaves the architecture as it is.
+
+The two are independent and commute: ``bitnet_subln`` normalizes the input of every
+linear of the block whether or not ``bitnet`` converts it (a filtered linear that lost
+the block norm would otherwise see un-normalized input), and adds no ``nn.Linear``.
+Write ``converters = ["bitnet_subln", "bitnet"]`` (either order gives the same model).
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from titan_lowbit.bitnet.weight import BitNetTrainingWeight, precompute_scales
+from titan_lowbit.kernels.bitnet_quant import SUPPORTED_FLOAT_DTYPES
+
+# The int8 tensor-core tile is 16 deep; a linear with fewer inputs or outputs is mostly
+# padding on the GPU, and a tensor-wise ternary scale of a handful of values is noise.
+MIN_FEATURES = 16
+DEFAULT_FILTER = ("output",)
+
+
+def _lowbit_option(job_config, name: str, default):
+    return getattr(getattr(job_config, "lowbit", None), name, default)
+
+
+def _check_filter(model: nn.Module, filter_fqns: list[str]) -> None:
+    names = [n for n, _ in model.named_modules() if n]
+    for frag in filter_fqns:
+        if not any(frag in n for n in names):
+            raise ValueError(
+                f"[lowbit] bitnet_filter entry {frag!r} matches no module of "
+                f"{type(model).__name__} (module names look like {names[:6]}); fix the "
+                "fragment or remove it."
+            )
+
+
+def convert_to_bitnet(model: nn.Module, filter_fqns=DEFAULT_FILTER,
+                      int8_backward: bool = True) -> list[str]:
+    """Swap the weights of the model's nn.Linear layers for BitNet training weights.
+
+    A layer is skipped when its FQN contains any fragment of ``filter_fqns``. Embeddings
+    and every non-Linear module are never touched. Returns the converted FQNs.
+    """
+    filter_fqns = list(filter_fqns)
+    _check_filter(model, filter_fqns)
+    converted, linears = [], 0
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear):
+            continue
+        linears += 1
+        if any(frag in name for frag in filter_fqns):
+            continue
+        w = mod.weight
+        if isinstance(w, BitNetTrainingWeight):
+            continue  # already converted: converting twice would change nothing
+        if min(mod.in_features, mod.out_features) < MIN_FEATURES:
+            raise ValueError(
+                f"BitNet: linear {name!r} is {mod.in_features}->{mod.out_features}; BitNet "
+                f"layers need at least {MIN_FEATURES} inputs and outputs. Add {name!r} to "
+                "[lowbit] bitnet_filter."
+            )
+        if w.dtype not in SUPPORTED_FLOAT_DTYPES:
+            raise TypeError(
+                f"BitNet: linear {name!r} has weight dtype {w.dtype}; BitNet weights must be "
+                f"one of {[str(d) for d in SUPPORTED_FLOAT_DTYPES]}."
+            )
+        mod.weight = nn.Parameter(BitNetTrainingWeight(w.detach(), int8_backward),
+                                  requires_grad=w.requires_grad)
+        converted.append(name)
+    if not converted:
+        raise ValueError(
+            f"converter 'bitnet' found no nn.Linear to convert in {type(model).__name__} "
+            f"({linears} nn.Linear layers, all excluded by [lowbit] bitnet_filter = "
+            f"{filter_fqns})" if linears else
+            f"converter 'bitnet' found no nn.Linear layers in {type(model).__name__}; "
+            "remove 'bitnet' from [model] converters."
+        )
+    return converted
+
+
+class BitNetConverter:
+    """``[model] converters = ["bitnet"]``: BitNet b1.58 linear layers (arXiv 2402.17764)."""
+
+    def __init__(self, job_config, parallel_dims):
+        self.filter_fqns = list(_lowbit_option(job_config, "bitnet_filter", list(DEFAULT_FILTER)))
+        self.precompute_scale = bool(_lowbit_option(job_config, "bitnet_precompute_scale", True))
+        self.int8_backward = bool(_lowbit_option(job_config, "bitnet_int8_backward", True))
+        if parallel_dims is not None and getattr(parallel_dims, "tp_enabled", False):
+            raise NotImplementedError(
+                "converter 'bitnet' does not support tensor parallelism (the tensor-wise "
+                "scale would span TP shards); set parallelism.tensor_parallel_degree = 1."
+            )
+        self.converted: list[str] = []
+
+    def convert(self, model: nn.Module) -> None:
+        self.converted = convert_to_bitnet(model, self.filter_fqns, self.int8_backward)
+
+    def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
+        """After each optimizer step: every sharded weight's scale, one all-reduce in all."""
+        if not self.precompute_scale:
+            return
+        parts = model if isinstance(model, (list, tuple)) else [model]
+        precompute_scales(p for part in parts for p in part.parameters())
+
+
+def _normalize_input(module: nn.Module, args):
+    return (module.bitnet_input_norm(args[0]), *args[1:])
+
+
+class RemovedBlockNorm(nn.Identity):
+    """Stands where a block's attention_norm / ffn_norm was: passes input through.
+
+    The block's ``init_weights`` still calls ``reset_parameters`` on it; that resets the
+    per-linear input norms that replaced it (held unregistered, so their parameters keep
+    one FQN each, under the linear they normalize).
+    """
+
+    def __init__(self, replaced_by: list[nn.Module]):
+        super().__init__()
+        object.__setattr__(self, "_input_norms", list(replaced_by))
+
+    def reset_parameters(self) -> None:
+        for norm in self._input_norms:
+            norm.reset_parameters()
+
+
+def insert_subln(model: nn.Module) -> list[str]:
+    """SubLN surgery on every llama3 TransformerBlock; returns the normalized linears' FQNs."""
+    from torchtitan.models.llama3.model.model import TransformerBlock
+
+    blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, TransformerBlock)]
+    if not blocks:
+        raise ValueError(
+            f"converter 'bitnet_subln' rewrites torchtitan llama3 TransformerBlocks, and "
+            f"{type(model).__name__} has none; remove 'bitnet_subln' from [model] converters."
+        )
+    done = []
+    for bname, block in blocks:
+        if isinstance(block.attention_norm, RemovedBlockNorm):
+            raise ValueError(f"converter 'bitnet_subln' was applied twice to block {bname!r}")
+        eps = block.attention_norm.eps
+        halves = {"attention": [], "feed_forward": []}
+        for lname, lin in block.named_modules():
+            if not isinstance(lin, nn.Linear):
+                continue
+            half = "attention" if lname.startswith("attention.") else "feed_forward"
+            norm = nn.RMSNorm(lin.in_features, eps=eps, device=lin.weight.device,
+                              dtype=block.attention_norm.weight.dtype)
+            lin.bitnet_input_norm = norm
+            lin.register_forward_pre_hook(_normalize_input)
+            halves[half].append(norm)
+            done.append(f"{bname}.{lname}")
+        block.attention_norm = RemovedBlockNorm(halves["attention"])
+        block.ffn_norm = RemovedBlockNorm(halves["feed_forward"])
+    return done
+
+
+class BitNetSubLNConverter:
+    """``[model] converters = ["bitnet_subln", "bitnet"]``: per-linear input RMSNorms (SubLN)."""
+
+    def __init__(self, job_config, parallel_dims):
+        if parallel_dims is not None and getattr(parallel_dims, "tp_enabled", False):
+            raise NotImplementedError(
+                "converter 'bitnet_subln' does not support tensor parallelism (torchtitan's "
+                "TP plan names the block norms it removes); set tensor_parallel_degree = 1."
+            )
+
+    def convert(self, model: nn.Module) -> None:
+        insert_subln(model)
+
+    def post_optimizer_hook(self, model) -> None:
+        """No state to refresh: the norms are ordinary parameters."""
+        return None
+
+
+CONVERTERS: dict[str, type] = {"bitnet": BitNetConverter, "bitnet_subln": BitNetSubLNConverter}

@@ -1,0 +1,166 @@
+"""BitNet b1.58 linear: custom ops over the kernels, and the straight-through autograd.
+
+Every kernel is wrapped as a ``torch.library`` custom op with a fake (meta) kernel, so
+torch.compile sees one opaque node per kernel instead of tracing into Triton launch code,
+and the ops run on CUDA through the Triton kernels and on every other device through the
+pure-PyTorch references of the same math (the design's CPU path).
+
+Forward of ``y = x W^T + b`` (x: [..., K], W: [N, K]):
+    x codes, s_x = row-wise abs-max int8 of x            (one fused kernel)
+    W codes, g   = ternary codes and abs-mean scale of W  (precomputed when gathered by FSDP)
+    y            = (x codes @ W codes^T) * s_x * g        (int8 tensor cores, scales in the epilogue)
+Backward (straight-through: the rounding and clamping pass gradients unchanged, i.e. the
+gradients are those of y = x^ W^T with x^ = x codes * s_x and W^ = W codes * g):
+    dx = dy W^     int8: dy row-quantized, (dy codes @ W codes) * s_dy * g;  or bf16 dy @ W^
+    dW = dy^T x^   in the activation dtype from the saved int8 x codes (dequantized)
+    db = sum over rows of dy
+Only the int8 x codes and their row scales are saved for backward (1 byte per element
+instead of 2 for bf16 activations).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from titan_lowbit.kernels import bitnet_matmul as _mm
+from titan_lowbit.kernels import bitnet_quant as _q
+
+EPS = _q.EPS
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+@torch.library.custom_op("titan_lowbit::bitnet_quantize_rows", mutates_args=())
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise abs-max int8 codes and fp32 row scales of a 2-D tensor."""
+    return (_q.quantize_rows if _on_gpu(x) else _q.quantize_rows_reference)(x)
+
+
+@quantize_rows.register_fake
+def _(x):
+    return (x.new_empty(x.shape, dtype=torch.int8),
+            x.new_empty((x.shape[0],), dtype=torch.float32))
+
+
+@torch.library.custom_op("titan_lowbit::bitnet_dequantize_rows", mutates_args=())
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q * scale[:, None] in ``dtype``."""
+    return (_q.dequantize_rows if _on_gpu(q) else _q.dequantize_rows_reference)(q, scale, dtype)
+
+
+@dequantize_rows.register_fake
+def _(q, scale, dtype):
+    return q.new_empty(q.shape, dtype=dtype)
+
+
+@torch.library.custom_op("titan_lowbit::bitnet_int8_mm", mutates_args=())
+def int8_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+            out_dtype: torch.dtype) -> torch.Tensor:
+    """(a @ b.T) * a_scale[:, None] * b_scale for int8 a [M, K], b [N, K]."""
+    fn = _mm.int8_matmul_scaled if _on_gpu(a) else _mm.int8_matmul_scaled_reference
+    return fn(a, b, a_scale, b_scale, out_dtype)
+
+
+@int8_mm.register_fake
+def _(a, b, a_scale, b_scale, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op("titan_lowbit::bitnet_ternarize", mutates_args=())
+def ternarize(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 ternary codes of a 2-D weight for its tensor scale."""
+    return (_q.ternarize if _on_gpu(w) else _q.ternarize_reference)(w, scale)
+
+
+@ternarize.register_fake
+def _(w, scale):
+    return w.new_empty(w.shape, dtype=torch.int8)
+
+
+def absmean_scale(w: torch.Tensor) -> torch.Tensor:
+    """Tensor-wise abs-mean scale g = max(mean |W|, EPS) (fp32, 0-d) of an unsharded weight."""
+    return _q.absmean_scale_reference(w)
+
+
+def pack_ternary(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Ternary codes of ``w`` packed four per byte: uint8 [R, ceil(C / 4)] (FSDP payload)."""
+    if _on_gpu(w):
+        return _q.ternarize(w, scale, pack=True)
+    return _q.pack_ternary_reference(_q.ternarize_reference(w, scale))
+
+
+def unpack_ternary(packed: torch.Tensor, cols: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of ``pack_ternary``: int8 [R, cols], written into ``out`` when given."""
+    if _on_gpu(packed):
+        return _q.unpack_ternary(packed, cols, out=out)
+    codes = _q.unpack_ternary_reference(packed, cols)
+    if out is None:
+        return codes
+    out.copy_(codes)
+    return out
+
+
+class BitNetLinearFunction(torch.autograd.Function):
+    """y = x^ W^T + b with straight-through gradients (see the module docstring).
+
+    ``weight`` is passed only so autograd routes dW to it (its dtype is dW's dtype);
+    the forward reads the weight through ``w_codes`` and ``w_scale``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, w_codes, w_scale, bias, int8_backward: bool):
+        in_features = x.shape[-1]
+        x2 = x.reshape(-1, in_features)
+        x_codes, x_scale = quantize_rows(x2)
+        y = int8_mm(x_codes, w_codes, x_scale, w_scale, x.dtype)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        ctx.save_for_backward(x_codes, x_scale, w_codes, w_scale)
+        ctx.x_shape = x.shape
+        ctx.weight_dtype = weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.int8_backward = int8_backward
+        return y.view(*x.shape[:-1], w_codes.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_codes, x_scale, w_codes, w_scale = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            if ctx.int8_backward:
+                dy_codes, dy_scale = quantize_rows(dy2)
+                # K-major copy of the ternary weight for the int8 tensor cores ([K, N]).
+                dx = int8_mm(dy_codes, w_codes.t().contiguous(), dy_scale, w_scale, dy.dtype)
+            else:
+                w_hat = (w_codes.to(torch.float32) * w_scale).to(dy.dtype)
+                dx = dy2 @ w_hat
+            dx = dx.view(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            x_hat = dequantize_rows(x_codes, x_scale, dy.dtype)
+            dw = (dy2.t() @ x_hat).to(ctx.weight_dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[4]:
+            db = dy2.sum(dim=0, dtype=torch.float32).to(ctx.bias_dtype)
+        return dx, dw, None, None, db, None
+
+
+def bitnet_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                            w_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Straight-through BitNet linear in plain autograd ops (the textbook formulation).
+
+    x^ = x + (Q(x) - x).detach(), W^ = W + (Q(W) - W).detach(): forward value of the
+    quantized layer, identity gradient through both quantizers. Tests compare the fused
+    path against this.
+    """
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, xs = _q.quantize_rows_reference(x2.detach())
+    x_hat = x2 + ((xq.float() * xs[:, None]).to(x.dtype) - x2).detach()
+    g = absmean_scale(weight.detach()) if w_scale is None else w_scale
+    wq = _q.ternarize_reference(weight.detach(), g)
+    w_hat = weight + ((wq.float() * g).to(weight.dtype) - weight).detach()
+    y = x_hat @ w_hat.to(x.dtype).t()
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.view(*x.shape[:-1], weight.shape[0])

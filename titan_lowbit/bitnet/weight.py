@@ -1,0 +1,262 @@
+"""BitNet weight tensor subclasses and their FSDP2 all-gather extension.
+
+Two wrapper subclasses, so that an ``nn.Linear`` keeps its module, its FQNs and its
+state dict while its forward becomes the BitNet one (``F.linear`` on either weight is
+routed to ``BitNetLinearFunction``):
+
+``BitNetTrainingWeight``
+    The parameter the optimizer sees: a wrapper over the latent high-precision weight
+    (``_data``). Shape-preserving ops that FSDP2, ``to_empty`` and checkpoint loading use
+    (views, slices, copies, empty_like, ...) return the subclass again, so the sharded
+    local tensor keeps the FSDP2 hooks; every other op sees the plain latent tensor.
+
+``BitNetTernaryWeight``
+    What FSDP2's all-gather produces: int8 ternary codes ``_codes`` [N, K] and the fp32
+    tensor scale ``_scale``, reporting FSDP2's param dtype. It exists between the
+    all-gather and the reshard and only supports ``F.linear`` and the views FSDP2 takes.
+
+All-gather (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``): each rank ternarizes its
+shard with the global scale and sends the codes packed four per byte (0.25 byte per
+element, 1/8 of bf16); after the gather the codes are unpacked into int8. The global
+scale is either precomputed after the optimizer step for all layers with one all-reduce
+(``precompute_scales``, called by the converter's post_optimizer_hook) or, when absent,
+all-reduced per layer inside ``fsdp_pre_all_gather``. The scale travels in the
+all-gather metadata (every rank holds the same value), not in the payload.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from titan_lowbit.bitnet import ops
+from titan_lowbit.kernels.bitnet_quant import check_float_input
+
+aten = torch.ops.aten
+
+# Ops whose result is (a view or copy of) the same weight and must keep the subclass:
+# FSDP2 sharding (split, new_zeros, slice, copy_, view, as_strided), module.to_empty
+# (empty_like), nn.Parameter (detach), clone/_to_copy (device moves, state dict copies).
+_KEEP_TRAINING_SUBCLASS = {
+    aten.detach.default, aten.alias.default, aten.view.default, aten._unsafe_view.default,
+    aten.as_strided.default, aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default,
+    aten.new_zeros.default, aten.new_empty.default, aten.new_empty_strided.default,
+    aten.empty_like.default, aten.clone.default, aten._to_copy.default, aten.copy_.default,
+    aten._pin_memory.default,
+}
+_TERNARY_VIEWS = {aten.detach.default, aten.alias.default, aten.view.default, aten.as_strided.default}
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a BitNet weight (either subclass)."""
+    _check_dtypes(x, weight)
+    if isinstance(weight, BitNetTernaryWeight):
+        codes, scale, int8_bwd = weight._codes, weight._scale, weight._int8_backward
+    else:
+        latent = weight._data
+        scale = ops.absmean_scale(latent)
+        codes = ops.ternarize(latent, scale)
+        int8_bwd = weight._int8_backward
+    return ops.BitNetLinearFunction.apply(x, weight, codes, scale, bias, int8_bwd)
+
+
+def _check_dtypes(x: torch.Tensor, weight: torch.Tensor) -> None:
+    check_float_input("BitNet linear input", x)
+    check_float_input("BitNet weight", weight)
+
+
+class _RoutesLinear(torch.Tensor):
+    """Sends F.linear on this weight to the BitNet linear; every other function runs as usual
+    (and reaches __torch_dispatch__ of the concrete subclass)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            return _linear(*args, **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+class BitNetTrainingWeight(_RoutesLinear):
+    """Latent high-precision weight of a BitNet linear layer (see module docstring)."""
+
+    _data: torch.Tensor
+    _int8_backward: bool
+    _precomputed_scale: torch.Tensor | None
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, int8_backward: bool = True):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, strides=data.stride(), storage_offset=data.storage_offset(),
+            dtype=data.dtype, device=data.device, layout=data.layout,
+            requires_grad=data.requires_grad,
+        )
+
+    def __init__(self, data: torch.Tensor, int8_backward: bool = True):
+        self._data = data
+        self._int8_backward = int8_backward
+        self._precomputed_scale = None
+
+    def __repr__(self) -> str:
+        return f"BitNetTrainingWeight({self._data!r}, int8_backward={self._int8_backward})"
+
+    def __tensor_flatten__(self):
+        return ["_data"], (self._int8_backward,)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return BitNetTrainingWeight(inner["_data"], *meta)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        int8_backward = next(a._int8_backward for a in tree_flatten((args, kwargs))[0]
+                             if isinstance(a, BitNetTrainingWeight))
+        out = func(*tree_map_only(BitNetTrainingWeight, lambda t: t._data, args),
+                   **tree_map_only(BitNetTrainingWeight, lambda t: t._data, kwargs))
+        if func in _KEEP_TRAINING_SUBCLASS:
+            return tree_map_only(torch.Tensor, lambda t: BitNetTrainingWeight(t, int8_backward), out)
+        return out
+
+    # ---- FSDP2 all-gather extension -------------------------------------------------
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """Ternarize this shard with the global scale and pack it four codes per byte."""
+        if self._data.dim() != 2:
+            raise ValueError(f"BitNet: FSDP2 gathers 2-D linear weights, got shape {tuple(outer_size)}")
+        world = mesh.size()
+        if outer_size[0] % world:
+            # Raised on every rank (not only the padded ones), so no rank hangs in the gather.
+            raise ValueError(
+                f"BitNet: a weight of shape {tuple(outer_size)} has {outer_size[0]} rows, not a "
+                f"multiple of the FSDP shard count {world}; FSDP2 cannot pad a packed all-gather. "
+                "Exclude the layer with [lowbit] bitnet_filter or pick a shard count dividing it."
+            )
+        scale = self._precomputed_scale
+        if scale is None:
+            abs_sum = self._data.abs().sum(dtype=torch.float32)
+            if world > 1:
+                dist.all_reduce(abs_sum, group=_shard_group(mesh))
+            scale = (abs_sum / outer_size.numel()).clamp_min(ops.EPS)
+        packed = ops.pack_ternary(self._data, scale)
+        return (packed,), (scale, self._data.shape[1])
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """Unpack the gathered codes into int8 (into ``out``'s buffers after the first gather)."""
+        (packed,) = all_gather_outputs
+        scale, cols = metadata
+        if out is not None:
+            if not isinstance(out, BitNetTernaryWeight):
+                raise TypeError(f"BitNet: FSDP2 passed out={type(out).__name__}, expected BitNetTernaryWeight")
+            # FSDP2 refills the same buffers every step; autograd may hold them from the
+            # last forward, so the refill must not bump their version counters.
+            with torch.autograd._unsafe_preserve_version_counter(out._codes), \
+                    torch.autograd._unsafe_preserve_version_counter(out._scale):
+                ops.unpack_ternary(packed, cols, out=out._codes)
+                out._scale.copy_(scale)
+            return None
+        codes = ops.unpack_ternary(packed, cols)
+        gathered = BitNetTernaryWeight(codes, scale.detach().clone(), param_dtype, self._int8_backward)
+        return gathered, (codes,)
+
+
+class BitNetTernaryWeight(_RoutesLinear):
+    """All-gathered BitNet weight: int8 ternary codes and an fp32 tensor scale."""
+
+    _codes: torch.Tensor
+    _scale: torch.Tensor
+    _int8_backward: bool
+
+    @staticmethod
+    def __new__(cls, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                int8_backward: bool = True):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, codes.shape, strides=codes.stride(), storage_offset=codes.storage_offset(),
+            dtype=dtype, device=codes.device, requires_grad=False,
+        )
+
+    def __init__(self, codes, scale, dtype, int8_backward: bool = True):
+        self._codes = codes
+        self._scale = scale
+        self._int8_backward = int8_backward
+
+    def __repr__(self) -> str:
+        return (f"BitNetTernaryWeight(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"scale={self._scale!r})")
+
+    def __tensor_flatten__(self):
+        return ["_codes", "_scale"], (self.dtype, self._int8_backward)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return BitNetTernaryWeight(inner["_codes"], inner["_scale"], *meta)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _TERNARY_VIEWS:
+            w = args[0]
+            codes = func(w._codes, *args[1:], **kwargs)
+            return BitNetTernaryWeight(codes, w._scale, w.dtype, w._int8_backward)
+        raise NotImplementedError(
+            f"BitNet: {func} was called on an all-gathered BitNet weight, which only supports "
+            "F.linear (its values are int8 ternary codes, not the latent weight). Use the "
+            "sharded parameter, or list this layer in [lowbit] bitnet_filter."
+        )
+
+
+def _shard_group(mesh):
+    if mesh.ndim != 1:
+        raise NotImplementedError(
+            f"BitNet: FSDP2 shard mesh with {mesh.ndim} dims; the packed all-gather supports "
+            "a 1-D shard mesh (FSDP or HSDP, no TP on BitNet layers)."
+        )
+    return mesh.get_group()
+
+
+def local_training_weight(p: torch.Tensor) -> BitNetTrainingWeight | None:
+    """The BitNetTrainingWeight behind a parameter (plain or DTensor), or None."""
+    local = p._local_tensor if isinstance(p, torch.distributed.tensor.DTensor) else p
+    return local if isinstance(local, BitNetTrainingWeight) else None
+
+
+def precompute_scales(params: Iterable[torch.Tensor]) -> int:
+    """Set every sharded BitNet weight's global abs-mean scale for the next all-gather.
+
+    One all-reduce of the stacked local |W| sums per shard group (one in total for a
+    model sharded on one mesh) replaces one all-reduce per layer inside the all-gathers.
+    Returns the number of all-reduces issued. Unsharded weights need no precompute (their
+    forward sees the whole tensor) and are skipped.
+    """
+    by_group: dict[Any, list[tuple[BitNetTrainingWeight, int]]] = defaultdict(list)
+    for p in params:
+        local = local_training_weight(p)
+        if local is None or not isinstance(p, torch.distributed.tensor.DTensor):
+            continue
+        shard_dims = [i for i, pl in enumerate(p.placements) if pl.is_shard()]
+        if len(shard_dims) != 1:
+            raise NotImplementedError(
+                f"BitNet: a weight with placements {p.placements}; scale precompute supports "
+                "one sharded mesh dim (FSDP)."
+            )
+        group = p.device_mesh.get_group(shard_dims[0])
+        by_group[group].append((local, p.numel()))
+    issued = 0
+    for group, items in by_group.items():
+        locals_ = [w._data for w, _ in items]
+        with torch.no_grad():
+            sums = torch.stack([t.abs().sum(dtype=torch.float32) for t in locals_])
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(sums, group=group)
+                issued += 1
+            numels = torch.tensor([n for _, n in items], dtype=torch.float32, device=sums.device)
+            scales = (sums / numels).clamp_min(ops.EPS)
+        for (w, _), s in zip(items, scales.unbind(0)):
+            w._precomputed_scale = s
+    return issued
