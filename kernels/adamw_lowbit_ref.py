@@ -1,0 +1,326 @@
+"""Pure-PyTorch reference of ``adamw_lowbit.py``: the same math, op for op.
+
+This is what runs where there is no GPU (and what the tests compare the Triton kernel
+against under ``TRITON_INTERPRET=1``). Every function mirrors a ``@triton.jit`` twin in
+``adamw_lowbit.py`` with the same fp32 operations in the same order, so that on the
+interpreter the two agree bit for bit. See the math block at the top of ``adamw_lowbit.py``.
+
+Also exported: ``quantize_blockwise`` / ``dequantize_blockwise``, the row-wise block layout
+used for the optimizer states (handy for tests and for inspecting a checkpoint).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .adamw_lowbit import (
+    UPDATE_KAHAN,
+    UPDATE_MASTER,
+    UPDATE_NEAREST,
+    UPDATE_STOCHASTIC,
+    AdamWConfig,
+    AdamWHyper,
+    AdamWTensor,
+    hyper_scalars,
+)
+from .quant_maps import (
+    CODEC_DYN4_SIGNED,
+    CODEC_DYN8_SIGNED,
+    CODEC_DYN8_UNSIGNED,
+    CODEC_FP8_E4M3,
+    CODEC_LIN4_NOZERO,
+    CODEC_NONE,
+    MASK32,
+    MIX_C1,
+    MIX_C2,
+    TABLE_STRIDE,
+    codec_tables,
+)
+
+_DYN = {CODEC_DYN8_SIGNED: (7, True), CODEC_DYN8_UNSIGNED: (8, False), CODEC_DYN4_SIGNED: (3, True)}
+PACKED_4BIT = (CODEC_DYN4_SIGNED, CODEC_LIN4_NOZERO)
+
+
+def _f32(x: float, device) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float32, device=device)
+
+
+def _i32_as_f32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.int32).view(torch.float32)
+
+
+def _f32_bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32)
+
+
+def div_rn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 division (twin of ``tl.div_rn``). Computed in fp64 and rounded
+    once more: for division and square root that double rounding is exact."""
+    return (a.double() / b.double()).float()
+
+
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 square root (twin of ``tl.sqrt_rn``); torch's fp32 CPU sqrt is
+    not always correctly rounded (1 ulp off in about 0.6% of inputs, seen with torch 2.13)."""
+    return torch.sqrt(x.double()).float()
+
+
+# ---------------------------------------------------------------------------------------
+# bf16 rounding
+# ---------------------------------------------------------------------------------------
+def _bits16_to_bf16(b: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 65535] -> bf16 tensor with those bits."""
+    b = torch.where(b >= 32768, b - 65536, b)
+    return b.to(torch.int16).view(torch.bfloat16)
+
+
+def bf16_rne(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16, round to nearest even, in integer arithmetic (twin of ``_bf16_rne``)."""
+    bits = _f32_bits(x).to(torch.int64) & MASK32
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & MASK32) >> 16
+    rounded = torch.where(x != x, (bits >> 16) | 0x40, rounded)
+    return _bits16_to_bf16(rounded)
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """(h * c) mod 2**32 for int64 h in [0, 2**32) without int64 overflow."""
+    lo = (h & 0xFFFF) * c
+    hi = (((h >> 16) * c) & 0xFFFF) << 16
+    return (lo + hi) & MASK32
+
+
+def mix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3 fmix32 on int64 tensors holding uint32 values (twin of ``_mix32``)."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, MIX_C1)
+    h = h ^ (h >> 13)
+    h = _mul32(h, MIX_C2)
+    return h ^ (h >> 16)
+
+
+def stochastic_bits(gidx: torch.Tensor, tkey: int, skey: int) -> torch.Tensor:
+    """The 32 random bits of element ``gidx`` (int64 global index) for a tensor/step key."""
+    lo = gidx & MASK32
+    hi = (gidx >> 32) & MASK32
+    h = mix32(lo ^ tkey)
+    return mix32(h ^ ((hi + skey) & MASK32))
+
+
+def bf16_stochastic(x: torch.Tensor, gidx: torch.Tensor, tkey: int, skey: int) -> torch.Tensor:
+    """fp32 -> bf16 stochastic rounding (twin of ``_bf16_stochastic``)."""
+    r = stochastic_bits(gidx, tkey, skey) & 0xFFFF
+    bits = _f32_bits(x).to(torch.int64) & MASK32
+    rounded = _bits16_to_bf16(((bits + r) & MASK32) >> 16)
+    return torch.where(x.abs() < float("inf"), rounded, bf16_rne(x))
+
+
+# ---------------------------------------------------------------------------------------
+# codecs
+# ---------------------------------------------------------------------------------------
+def _dyn_encode(x: torch.Tensor, tab: torch.Tensor, M: int, signed: bool) -> torch.Tensor:
+    a = x.abs()
+    k = torch.zeros(x.shape, dtype=torch.int32, device=x.device)
+    for j in range(1, M):
+        k = k + (a > tab[j]).to(torch.int32)
+    kl = k.long()
+    off = tab[TABLE_STRIDE + kl]
+    inv_step = tab[2 * TABLE_STRIDE + kl]
+    q = torch.floor((a - off) * inv_step + 0.5).to(torch.int32)
+    top = torch.ones_like(k) << k
+    q = torch.minimum(torch.maximum(q, torch.zeros_like(q)), top)
+    p = torch.where(q == 0, torch.where(k == 0, torch.zeros_like(k), top - 1), top + q - 1)
+    if signed:
+        p = torch.where(x < 0, p | (1 << M), p)
+    return p
+
+
+def _dyn_decode(code: torch.Tensor, tab: torch.Tensor, M: int, signed: bool) -> torch.Tensor:
+    c = code.to(torch.int32)
+    p = c & ((1 << M) - 1)
+    k = ((_f32_bits(p.to(torch.float32)) >> 23) & 0xFF) - 127
+    k = torch.clamp(k, min=0)
+    f = p - (torch.ones_like(k) << k)
+    kl = k.long()
+    off = tab[TABLE_STRIDE + kl]
+    step = tab[3 * TABLE_STRIDE + kl]
+    val = off + (f + 1).to(torch.float32) * step
+    val = torch.where(p == 0, torch.zeros_like(val), val)
+    if signed:
+        val = torch.where(((c >> M) & 1) != 0, -val, val)
+    return val
+
+
+def _lin4_encode(x: torch.Tensor) -> torch.Tensor:
+    q = torch.floor(x.abs() * 16.0 - 0.5).to(torch.int32)
+    return q.clamp(0, 15)
+
+
+def _lin4_decode(code: torch.Tensor) -> torch.Tensor:
+    return (code.to(torch.int32) + 1).to(torch.float32) * 0.0625
+
+
+def _fp8_encode(x: torch.Tensor) -> torch.Tensor:
+    a = torch.clamp(x.abs() * 448.0, max=448.0)
+    e = ((_f32_bits(a) >> 23) & 0xFF) - 127
+    qexp = torch.clamp(e, min=-6) - 3
+    inv_q = _i32_as_f32((127 - qexp) << 23)
+    q = _i32_as_f32((127 + qexp) << 23)
+    t = a * inv_q
+    r = torch.floor(t + 0.5)
+    r = torch.where((r - t == 0.5) & ((r.to(torch.int32) & 1) == 1), r - 1.0, r)
+    val = r * q
+    vbits = _f32_bits(val)
+    normal = val >= 0.015625
+    code = torch.where(normal, ((((vbits >> 23) & 0xFF) - 120) << 3) | ((vbits >> 20) & 7), r.to(torch.int32))
+    return torch.where(x < 0, code | 0x80, code)
+
+
+def _fp8_decode(code: torch.Tensor) -> torch.Tensor:
+    c = code.to(torch.int32)
+    ce = (c >> 3) & 15
+    mant = c & 7
+    normal = _i32_as_f32(((ce + 120) << 23) | (mant << 20))
+    sub = mant.to(torch.float32) * 0.001953125
+    val = torch.where(ce == 0, sub, normal) * (1.0 / 448.0)
+    return torch.where((c & 0x80) != 0, -val, val)
+
+
+def encode(x: torch.Tensor, codec: int) -> torch.Tensor:
+    """Codes (int32) of normalized values ``x in [-1, 1]``."""
+    if codec == CODEC_LIN4_NOZERO:
+        return _lin4_encode(x)
+    if codec == CODEC_FP8_E4M3:
+        return _fp8_encode(x)
+    M, signed = _DYN[codec]
+    return _dyn_encode(x, codec_tables(str(x.device))[codec], M, signed)
+
+
+def decode(code: torch.Tensor, codec: int) -> torch.Tensor:
+    """Normalized values (fp32) of codes."""
+    if codec == CODEC_LIN4_NOZERO:
+        return _lin4_decode(code)
+    if codec == CODEC_FP8_E4M3:
+        return _fp8_decode(code)
+    M, signed = _DYN[codec]
+    return _dyn_decode(code, codec_tables(str(code.device))[codec], M, signed)
+
+
+# ---------------------------------------------------------------------------------------
+# row-wise block layout
+# ---------------------------------------------------------------------------------------
+def quantize_blockwise(x: torch.Tensor, codec: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a [rows, cols] fp32 tensor in blocks of ``block`` along each row.
+
+    Returns ``(codes, absmax)``: codes uint8 ``[rows, cols]`` (4-bit codecs: two per byte,
+    element ``2i`` in the low nibble, ``[rows, ceil(cols / 2)]``, an odd row padded with the
+    code of 0), absmax fp32 ``[rows, ceil(cols / block)]``. A block never spans two rows.
+    """
+    rows, cols = x.shape
+    bpr = -(-cols // block)
+    xp = torch.zeros(rows, bpr * block, dtype=torch.float32, device=x.device)
+    xp[:, :cols] = x
+    xb = xp.view(rows, bpr, block)
+    absmax = xb.abs().amax(dim=-1)
+    inv = div_rn(torch.ones_like(absmax), torch.where(absmax > 0, absmax, torch.ones_like(absmax)))
+    codes = encode(xb * inv[..., None], codec).view(rows, bpr * block)
+    if codec in PACKED_4BIT:
+        nbytes = (cols + 1) // 2
+        pairs = codes[:, : 2 * nbytes].view(rows, nbytes, 2)
+        packed = pairs[..., 0] | (pairs[..., 1] << 4)
+        return packed.to(torch.uint8), absmax
+    return codes[:, :cols].to(torch.uint8), absmax
+
+
+def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, codec: int, block: int,
+                         cols: int) -> torch.Tensor:
+    """Inverse of ``quantize_blockwise``: fp32 ``[rows, cols]``."""
+    c = codes.to(torch.int32)
+    if codec in PACKED_4BIT:
+        c = torch.stack([c & 15, c >> 4], dim=-1).view(c.shape[0], -1)
+    c = c[:, :cols]
+    scale = absmax.repeat_interleave(block, dim=1)[:, :cols]
+    return decode(c, codec) * scale
+
+
+# ---------------------------------------------------------------------------------------
+# the step
+# ---------------------------------------------------------------------------------------
+def _load_moment(cfg: AdamWConfig, t: AdamWTensor, state: torch.Tensor, scale: Optional[torch.Tensor],
+                 codec: int) -> torch.Tensor:
+    if codec == CODEC_NONE:
+        return state.reshape(t.rows, t.cols).to(torch.float32)
+    codes = state.reshape(t.rows, -1)
+    return dequantize_blockwise(codes, scale.reshape(t.rows, -1), codec, cfg.block, t.cols)
+
+
+def _store_moment(cfg: AdamWConfig, t: AdamWTensor, state: torch.Tensor, scale: Optional[torch.Tensor],
+                  codec: int, x: torch.Tensor) -> None:
+    if codec == CODEC_NONE:
+        val = bf16_rne(x) if cfg.state_bf16 else x
+        state.copy_(val.view(state.shape))
+        return
+    codes, absmax = quantize_blockwise(x, codec, cfg.block)
+    state.copy_(codes.view(state.shape))
+    scale.copy_(absmax.view(scale.shape))
+
+
+def adamw_step_reference(cfg: AdamWConfig, tensors: Sequence[AdamWTensor], grads: Sequence[torch.Tensor],
+                         hyper: AdamWHyper) -> None:
+    """Step every tensor in place with the math of ``_adamw_lowbit_kernel``."""
+    if not tensors:
+        return
+    s = hyper_scalars(hyper)
+    dev = tensors[0].param.device
+    if isinstance(hyper.lr, torch.Tensor):
+        lr = hyper.lr.detach().to(device=dev, dtype=torch.float32).reshape(())
+    else:
+        lr = _f32(float(hyper.lr), dev)
+    step_size = lr * _f32(s["inv_bc1"], dev)
+    wd = _f32(s["wd"], dev)
+    decay = 1.0 - lr * wd
+    beta1, omb1 = _f32(s["beta1"], dev), _f32(s["one_minus_beta1"], dev)
+    beta2, omb2 = _f32(s["beta2"], dev), _f32(s["one_minus_beta2"], dev)
+    eps, isbc2 = _f32(s["eps"], dev), _f32(s["inv_sqrt_bc2"], dev)
+    bf16_param = cfg.param_dtype == torch.bfloat16
+
+    for t, grad in zip(tensors, grads):
+        g = grad.reshape(t.rows, t.cols).to(torch.float32)
+        p_stored = t.param.reshape(t.rows, t.cols).to(torch.float32)
+        if bf16_param and cfg.weight_update == UPDATE_MASTER:
+            p = t.extra.reshape(t.rows, t.cols).clone()
+        else:
+            p = p_stored
+        m = _load_moment(cfg, t, t.exp_avg, t.exp_avg_scale, cfg.m_codec)
+        v = _load_moment(cfg, t, t.exp_avg_sq, t.exp_avg_sq_scale, cfg.v_codec)
+
+        if not cfg.decoupled:
+            g = g + wd * p
+        m = beta1 * m + omb1 * g
+        v = beta2 * v + omb2 * (g * g)
+        denom = sqrt_rn(v) * isbc2 + eps
+        upd = step_size * div_rn(m, denom)
+        p_new = p * decay - upd if cfg.decoupled else p - upd
+
+        _store_moment(cfg, t, t.exp_avg, t.exp_avg_scale, cfg.m_codec, m)
+        _store_moment(cfg, t, t.exp_avg_sq, t.exp_avg_sq_scale, cfg.v_codec, v)
+
+        if not bf16_param:
+            out = p_new
+        elif cfg.weight_update == UPDATE_NEAREST:
+            out = bf16_rne(p_new)
+        elif cfg.weight_update == UPDATE_STOCHASTIC:
+            r = torch.arange(t.rows, dtype=torch.int64, device=dev)[:, None]
+            c = torch.arange(t.cols, dtype=torch.int64, device=dev)[None, :]
+            gidx = t.sr_base + r * t.sr_row_stride + c
+            out = bf16_stochastic(p_new, gidx, t.sr_key, s["skey"])
+        elif cfg.weight_update == UPDATE_KAHAN:
+            comp = t.extra.reshape(t.rows, t.cols).to(torch.float32)
+            sum_ = (p_new - p) + comp
+            out = bf16_rne(p + sum_)
+            t.extra.copy_(bf16_rne(sum_ - (out.to(torch.float32) - p)).view(t.extra.shape))
+        else:
+            t.extra.copy_(p_new.view(t.extra.shape))
+            out = bf16_rne(p_new)
+        t.param.copy_(out.view(t.param.shape))

@@ -1,0 +1,149 @@
+"""Quantization maps for optimizer states, and the counter-based hash for stochastic rounding.
+
+This module is the single definition of every code book the low-bit AdamW kernels use. The
+Triton kernel (``adamw_lowbit.py``) and the pure-PyTorch reference (``adamw_lowbit_ref.py``)
+both read the constant tables built here, so the two cannot drift apart.
+
+Codecs (``CODEC_*``) map a value ``x`` normalized by its block's absmax, ``x in [-1, 1]``, to
+an integer code and back:
+
+* ``CODEC_DYN8_SIGNED`` / ``CODEC_DYN8_UNSIGNED`` -- the dynamic-tree map of bitsandbytes'
+  8-bit optimizers (Dettmers et al. 2021), first and second moment. After the optional sign
+  bit, the ``M`` magnitude bits hold an integer ``p``. ``p = 0`` is zero. Otherwise the
+  position ``k`` of ``p``'s highest set bit selects a decade, and the ``k`` bits below it a
+  linear fraction inside that decade::
+
+      value(p) = 10**(k - M + 1) * (0.1 + (f + 1) * 0.9 / 2**k),   p = 2**k + f,  k >= 1
+      value(1) = 10**(1 - M)                                          (k = 0)
+
+  so large magnitudes get fine steps and small ones a wide range (1e-6 .. 1 signed, 1e-7 .. 1
+  unsigned). Our layout differs from bitsandbytes' table in one deliberate way: the top
+  code of every decade is the decade's upper edge, so ``1.0`` (the block's absmax) is
+  represented exactly and the codes can be computed arithmetically (no search).
+* ``CODEC_DYN4_SIGNED`` -- the same tree with ``M = 3`` (4-bit, signed): the "dynamic
+  exponent" map that arXiv 2309.01507 uses for the first moment.
+* ``CODEC_LIN4_NOZERO`` -- 4-bit linear map without zero, ``value(j) = (j + 1) / 16``: the
+  second-moment map of arXiv 2309.01507 (no zero, so ``1/sqrt(v)`` never explodes).
+* ``CODEC_FP8_E4M3`` -- FP8 e4m3 (the ``float8_e4m3fn`` bit layout) of ``x * 448``.
+
+Stochastic rounding uses ``mix32`` (the 32-bit finalizer of MurmurHash3) keyed by the seed,
+the parameter's position in the optimizer, the step and the element's global index.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# Codec ids, shared by kernel and reference (compile-time constants in the kernel).
+CODEC_NONE = 0
+CODEC_DYN8_SIGNED = 1
+CODEC_DYN8_UNSIGNED = 2
+CODEC_DYN4_SIGNED = 3
+CODEC_LIN4_NOZERO = 4
+CODEC_FP8_E4M3 = 5
+
+FP8_E4M3_MAX = 448.0
+
+# Magnitude bits of the dynamic-tree codecs; the sign (if any) sits just above them.
+DYN_MAGNITUDE_BITS = {CODEC_DYN8_SIGNED: 7, CODEC_DYN8_UNSIGNED: 8, CODEC_DYN4_SIGNED: 3}
+DYN_SIGNED = {CODEC_DYN8_SIGNED: True, CODEC_DYN8_UNSIGNED: False, CODEC_DYN4_SIGNED: True}
+
+# Layout of a dynamic-tree codec's constant table (float32, 4 * TABLE_STRIDE entries):
+#   [0:S)   thresholds: entry k (1 <= k < M) is 10**(k - M), the lower edge of decade k
+#   [S:2S)  encode offset of decade k (0 for k = 0, else 10**(k - M))
+#   [2S:3S) encode inverse step of decade k
+#   [3S:4S) decode step of decade k (value = offset + (f + 1) * step)
+TABLE_STRIDE = 8
+TABLE_SIZE = 4 * TABLE_STRIDE
+
+
+def _dyn_decade(k: int, M: int) -> tuple[float, float]:
+    """(offset, step) of decade ``k`` of a dynamic-tree map with ``M`` magnitude bits."""
+    if k == 0:
+        return 0.0, 10.0 ** (1 - M)
+    return 10.0 ** (k - M), 0.9 * 10.0 ** (k - M + 1) / 2**k
+
+
+def dyn_table(codec: int) -> torch.Tensor:
+    """The constant table of a dynamic-tree codec (float32, computed in float64 once)."""
+    M = DYN_MAGNITUDE_BITS[codec]
+    t = [0.0] * TABLE_SIZE
+    for k in range(M):
+        off, step = _dyn_decade(k, M)
+        if k >= 1:
+            t[k] = 10.0 ** (k - M)
+        t[TABLE_STRIDE + k] = off
+        t[2 * TABLE_STRIDE + k] = 1.0 / step
+        t[3 * TABLE_STRIDE + k] = step
+    return torch.tensor(t, dtype=torch.float64).to(torch.float32)
+
+
+def codec_table(codec: int) -> torch.Tensor:
+    """Constant table of any codec (zeros for codecs that need none)."""
+    if codec in DYN_MAGNITUDE_BITS:
+        return dyn_table(codec)
+    return torch.zeros(TABLE_SIZE, dtype=torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def codec_tables(device: str) -> torch.Tensor:
+    """All codec tables stacked as ``[n_codecs, TABLE_SIZE]`` float32 on ``device`` (cached)."""
+    rows = [codec_table(c) for c in range(CODEC_FP8_E4M3 + 1)]
+    return torch.stack(rows).to(device)
+
+
+def code_book(codec: int) -> torch.Tensor:
+    """Every code's value, float64, indexed by code: the definition the tests check against."""
+    if codec in DYN_MAGNITUDE_BITS:
+        M = DYN_MAGNITUDE_BITS[codec]
+        signed = DYN_SIGNED[codec]
+        n = 2 ** (M + 1) if signed else 2**M
+        out = torch.zeros(n, dtype=torch.float64)
+        for code in range(n):
+            p = code & (2**M - 1)
+            if p == 0:
+                continue
+            k = p.bit_length() - 1
+            off, step = _dyn_decade(k, M)
+            val = off + (p - 2**k + 1) * step
+            out[code] = -val if (signed and code >> M) else val
+        return out
+    if codec == CODEC_LIN4_NOZERO:
+        return torch.arange(1, 17, dtype=torch.float64) / 16.0
+    if codec == CODEC_FP8_E4M3:
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        return codes.view(torch.float8_e4m3fn).to(torch.float64) / FP8_E4M3_MAX
+    raise ValueError(f"codec {codec} has no code book")
+
+
+# ---------------------------------------------------------------------------------------
+# Counter-based hash for stochastic rounding (host side; the kernel and reference twins
+# live in adamw_lowbit.py / adamw_lowbit_ref.py and must compute the same function).
+# ---------------------------------------------------------------------------------------
+MASK32 = 0xFFFFFFFF
+MIX_C1 = 0x85EBCA6B
+MIX_C2 = 0xC2B2AE35
+GOLDEN32 = 0x9E3779B9
+
+
+def mix32(h: int) -> int:
+    """MurmurHash3's 32-bit finalizer: a bijection on uint32 with full avalanche."""
+    h &= MASK32
+    h ^= h >> 16
+    h = (h * MIX_C1) & MASK32
+    h ^= h >> 13
+    h = (h * MIX_C2) & MASK32
+    h ^= h >> 16
+    return h
+
+
+def tensor_key(seed: int, param_index: int) -> int:
+    """Per-parameter key: the seed and the parameter's position among the optimizer's params."""
+    return mix32(mix32(seed & MASK32) ^ ((seed >> 32) & MASK32) ^ mix32((param_index + 1) * GOLDEN32))
+
+
+def step_key(step: int) -> int:
+    """Per-step key (step counts from 1). Kept below 2**31 so it passes as an int32 scalar."""
+    return mix32((step * GOLDEN32) ^ 0x5BD1E995) & 0x7FFFFFFF
