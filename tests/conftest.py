@@ -1,0 +1,48 @@
+"""Shared test helpers: the repository root and a runner for scripts/train.sh."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DEBUG_CONFIG = ROOT / "train_configs" / "llama3_debug.toml"
+STEP_LOSS = re.compile(r"\bstep:\s*(\d+)\s+loss:\s*(-?[0-9.]+|nan|inf)")
+
+
+def run_train(*overrides: str, config: Path = DEBUG_CONFIG, nproc: int = 2, timeout: int = 600,
+              check: bool = True) -> subprocess.CompletedProcess:
+    """Run scripts/train.sh on the CPU path with ``nproc`` gloo processes."""
+    env = dict(os.environ, TITAN_LOWBIT_DEVICE="cpu", NPROC=str(nproc), PYTHON=sys.executable)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "train.sh"), str(config),
+         "--metrics.disable_color_printing", *overrides],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"train.sh failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def step_losses(output: str) -> dict[int, str]:
+    """{step: loss as printed} for the training steps torchtitan logged (not validation)."""
+    losses = {}
+    for line in output.splitlines():
+        if "validate" in line:
+            continue
+        if m := STEP_LOSS.search(line):
+            losses[int(m.group(1))] = m.group(2)
+    return losses
+
+
+@pytest.fixture(scope="session")
+def prepared_data() -> Path:
+    """The offline corpus, prepared once (train.sh would do the same on first use)."""
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--if-missing"],
+                   cwd=ROOT, check=True)
+    return ROOT / "assets" / "lowbit_text"

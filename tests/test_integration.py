@@ -1,0 +1,190 @@
+"""The torchtitan integration: config section, registration, flavors, CPU path,
+offline data, and bad input stopping before any training."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import titan_lowbit  # noqa: F401  (registers everything, as custom_import does)
+from conftest import ROOT, DEBUG_CONFIG, run_train, step_losses
+from torchtitan.config import ConfigManager
+
+
+def parse(*args, toml: str | None = None, tmp_path=None):
+    argv = list(args)
+    if toml is not None:
+        path = tmp_path / "job.toml"
+        path.write_text(toml)
+        argv = ["--job.config_file", str(path), *argv]
+    return ConfigManager().parse_args(argv)
+
+
+# ---- [lowbit] section -----------------------------------------------------------------
+
+def test_lowbit_section_defaults_and_overrides():
+    cfg = parse("--job.config_file", str(DEBUG_CONFIG), "--lowbit.weight_update", "kahan",
+                "--lowbit.block_size", "64")
+    assert cfg.lowbit.weight_update == "kahan"
+    assert cfg.lowbit.block_size == 64
+    assert cfg.lowbit.weight_dtype == "auto"
+    assert cfg.lowbit.bitnet_filter == ["output"]
+    assert cfg.experimental.custom_import == "titan_lowbit"
+
+
+def test_unknown_lowbit_key_names_key_and_valid_keys(tmp_path):
+    toml = '[job]\ncustom_config_module = "titan_lowbit.config"\n[lowbit]\nweight_updat = "kahan"\n'
+    with pytest.raises(ValueError) as err:
+        parse(toml=toml, tmp_path=tmp_path)
+    msg = str(err.value)
+    assert "[lowbit] weight_updat" in msg and "'weight_update'" in msg and "'block_size'" in msg
+
+
+@pytest.mark.parametrize("key,value,choices", [
+    ("weight_update", '"stochastik"', "'stochastic'"),
+    ("weight_dtype", '"fp16"', "'bfloat16'"),
+    ("nonfinite_grad", '"ignore"', "'skip'"),
+])
+def test_bad_lowbit_value_names_key_and_choices(tmp_path, key, value, choices):
+    toml = f'[job]\ncustom_config_module = "titan_lowbit.config"\n[lowbit]\n{key} = {value}\n'
+    with pytest.raises(ValueError) as err:
+        parse(toml=toml, tmp_path=tmp_path)
+    assert f"[lowbit] {key}" in str(err.value) and choices in str(err.value)
+
+
+@pytest.mark.parametrize("block", [-1, 3])
+def test_bad_block_size(tmp_path, block):
+    toml = f'[job]\ncustom_config_module = "titan_lowbit.config"\n[lowbit]\nblock_size = {block}\n'
+    with pytest.raises(ValueError, match=r"\[lowbit\] block_size"):
+        parse(toml=toml, tmp_path=tmp_path)
+
+
+# ---- registration -------------------------------------------------------------------
+
+def test_unknown_converter_lists_registered_ones():
+    from torchtitan.protocols.model_converter import build_model_converters
+
+    cfg = parse("--job.config_file", str(DEBUG_CONFIG), "--model.converters", "bitnt")
+    with pytest.raises(ValueError) as err:
+        build_model_converters(cfg, parallel_dims=None)
+    assert "'bitnt'" in str(err.value) and "'bitnet'" in str(err.value)
+
+
+def test_optimizer_names_and_unknown_name():
+    from titan_lowbit.optimizer_builder import check_optimizer_name, valid_optimizer_names
+
+    names = valid_optimizer_names()
+    for name in ("Adam", "AdamW", "AdamW8bit", "AdamW4bit", "AdamWFp8"):
+        assert name in names
+    with pytest.raises(ValueError) as err:
+        check_optimizer_name("AdamW9bit")
+    assert "'AdamW9bit'" in str(err.value) and "'AdamW8bit'" in str(err.value)
+
+
+def test_train_specs_are_wrapped_and_flavor_registered():
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    spec = get_train_spec("llama3")
+    assert spec.build_optimizers_fn.titan_lowbit_wrapped
+    args = spec.model_args["1B"]
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert shapes["tok_embeddings.weight"] == (32000, 2048)
+    assert shapes["output.weight"] == (32000, 2048)
+    assert shapes["layers.0.attention.wq.weight"] == (2048, 2048)
+    assert shapes["layers.0.attention.wk.weight"] == (256, 2048)
+    assert shapes["layers.0.feed_forward.w1.weight"] == (5632, 2048)
+    assert shapes["layers.0.feed_forward.w2.weight"] == (2048, 5632)
+    assert len(model.layers) == 22
+    assert 1.09e9 < sum(p.numel() for p in model.parameters()) < 1.11e9
+
+
+def test_weight_dtype_casts_parameters_not_buffers():
+    from titan_lowbit.train_spec import cast_parameters
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    spec = get_train_spec("llama3")
+    with torch.device("meta"):
+        model = spec.model_cls(spec.model_args["debugmodel"])
+    buffers = {n: b.dtype for n, b in model.named_buffers()}
+    assert cast_parameters(model, torch.bfloat16) == len(list(model.parameters()))
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert {n: b.dtype for n, b in model.named_buffers()} == buffers
+
+
+def test_cpu_device_module_answers_memory_monitor():
+    from titan_lowbit.cpu_device import CpuDeviceModule
+
+    stats = CpuDeviceModule.memory_stats()
+    assert stats["reserved_bytes.all.peak"] > 10 * 2**20  # this process holds torch
+    assert CpuDeviceModule.get_device_properties().total_memory > stats["reserved_bytes.all.peak"]
+
+
+# ---- offline data -------------------------------------------------------------------
+
+def _corpus(tmp_path):
+    corpus = tmp_path / "corpus"
+    for i in range(60):
+        sub = corpus / f"dir{i % 3}"
+        sub.mkdir(parents=True, exist_ok=True)
+        words = " ".join(f"word{(i * 7 + j) % 97} token{j % 13}" for j in range(200))
+        (sub / f"doc{i}.txt").write_text(f"Document {i}.\n{words}\n")
+    (corpus / "image.bin").write_bytes(bytes(range(256)))  # not a text suffix: skipped
+    return corpus
+
+
+def _prepare(*args):
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), *args],
+                          capture_output=True, text=True)
+
+
+def test_prepare_data_is_deterministic_with_disjoint_splits(tmp_path):
+    corpus = _corpus(tmp_path)
+    for out in ("a", "b"):
+        proc = _prepare("--corpus", str(corpus), "--out", str(tmp_path / out),
+                        "--vocab-size", "300", "--validation-every", "5")
+        assert proc.returncode == 0, proc.stderr
+    ma = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    mb = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert ma["sha256"] == mb["sha256"]
+    assert ma["vocab_size"] == 300
+
+    def sources(split):
+        lines = (tmp_path / "a" / f"{split}.jsonl").read_text().splitlines()
+        return {json.loads(l)["source"].split("#")[0] for l in lines}
+
+    train, val = sources("train"), sources("validation")
+    assert train and val and not train & val
+    assert len(train | val) == 60
+
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    tok = HuggingFaceTokenizer(str(tmp_path / "a" / "tokenizer"))
+    ids = tok.encode("Document 7.\nword3 token4", add_bos=True, add_eos=True)
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id and max(ids) < 300
+    assert tok.decode(ids[1:-1]) == "Document 7.\nword3 token4"
+
+
+def test_prepare_data_missing_corpus_is_a_clear_error(tmp_path):
+    proc = _prepare("--corpus", str(tmp_path / "nope"), "--out", str(tmp_path / "out"))
+    assert proc.returncode != 0
+    assert "--corpus" in proc.stderr and "nope" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+# ---- bad input stops the real launcher before training ---------------------------------
+
+@pytest.mark.parametrize("override,expect", [
+    (("--optimizer.name", "AdamW9bit"), ["'AdamW9bit'", "'AdamW8bit'"]),
+    (("--model.converters", "bitnt"), ["'bitnt'", "'bitnet'"]),
+])
+def test_launcher_stops_before_training_on_bad_names(override, expect, prepared_data, tmp_path):
+    proc = run_train(*override, "--job.dump_folder", str(tmp_path), nproc=1, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert not step_losses(out), "training started despite the bad config"
+    for text in expect:
+        assert text in out, out[-4000:]
