@@ -86,10 +86,9 @@ def build_lowbit_optimizers(
     base_builder: Callable[..., OptimizersContainer],
 ) -> OptimizersContainer:
     name = optimizer_config.name
-    check_optimizer_name(name)
-    use_torch = name in TORCH_OPTIMIZERS and lowbit.weight_update == "nearest"
-    if use_torch:
+    if name in TORCH_OPTIMIZERS and lowbit.weight_update == "nearest":
         return base_builder(model_parts, optimizer_config, parallel_dims, ft_manager)
+    check_optimizer_name(name)
 
     if base_builder is not torchtitan_build_optimizers:
         raise NotImplementedError(
