@@ -122,7 +122,8 @@ class BitNetLinearFunction(torch.autograd.Function):
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.int8_backward = int8_backward
-        return y.view(*x.shape[:-1], w_codes.shape[0])
+        # A fresh (non-view) tensor: FSDP2 warns about module outputs that are views.
+        return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], w_codes.shape[0]))
 
     @staticmethod
     def backward(ctx, dy):

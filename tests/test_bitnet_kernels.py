@@ -1,0 +1,168 @@
+"""BitNet kernels against their pure-PyTorch references.
+
+On a CPU-only machine the Triton kernels run under TRITON_INTERPRET=1 on small ragged
+shapes; with TRITON_INTERPRET=0 and a GPU the same comparisons run on CUDA with larger
+shapes. Every check draws fresh random inputs.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from titan_lowbit.kernels import bitnet_matmul as mm  # noqa: E402
+from titan_lowbit.kernels import bitnet_quant as bq  # noqa: E402
+
+INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
+if INTERPRET:
+    # Triton decides interpretation when a kernel is decorated; if something imported
+    # the kernels before this module set the variable, decorate them again.
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(bq._quantize_rows_kernel, InterpretedFunction):
+        importlib.reload(bq)
+    if not isinstance(getattr(mm._int8_matmul_kernel, "fn", None), InterpretedFunction):
+        importlib.reload(mm)
+DEVICE = "cuda" if (not INTERPRET and torch.cuda.is_available()) else "cpu"
+if DEVICE == "cpu" and not INTERPRET:
+    pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+# (rows, cols): ragged, a single element, odd columns, rows longer than one tile.
+ROW_SHAPES = [(1, 1), (7, 37), (33, 130), (5, 301)]
+if DEVICE == "cuda":
+    ROW_SHAPES += [(4099, 2048), (1000, 14336), (300, 20000)]
+MM_SHAPES = [(1, 16, 1), (37, 45, 70), (64, 64, 64), (100, 17, 33)]
+if DEVICE == "cuda":
+    MM_SHAPES += [(4096, 5632, 2048), (1000, 333, 4100), (257, 2048, 5632)]
+FLOATS = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _rand_rows(m, k, dtype):
+    x = torch.randn(m, k, device=DEVICE) * torch.rand(m, 1, device=DEVICE) * 10
+    if m > 2:
+        x[1] = 0  # an all-zero row takes the EPS branch
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", ROW_SHAPES)
+@pytest.mark.parametrize("two_pass", [False, True])
+def test_quantize_rows_matches_reference(shape, dtype, two_pass):
+    x = _rand_rows(*shape, dtype)
+    q, s = bq.quantize_rows(x, block_k=64 if two_pass else None)
+    q_ref, s_ref = bq.quantize_rows_reference(x)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32
+    torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
+    assert torch.equal(q, q_ref)
+    # The codes reconstruct x within half a step of each row.
+    err = (q.float() * s[:, None] - x.float()).abs()
+    assert (err <= s[:, None] * 0.5 + 1e-6 * x.float().abs()).all()
+    assert q.abs().max() <= 127
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_dequantize_rows_matches_reference(dtype):
+    m, k = (29, 83) if DEVICE == "cpu" else (3000, 5000)
+    q, s = bq.quantize_rows_reference(_rand_rows(m, k, torch.float32))
+    out = bq.dequantize_rows(q, s, dtype)
+    ref = bq.dequantize_rows_reference(q, s, dtype)
+    if dtype == torch.float32 or DEVICE == "cuda":
+        assert torch.equal(out, ref)
+    else:
+        # The interpreter converts fp32 to 16-bit by truncation, the GPU rounds to
+        # nearest (like the reference): allow one unit in the last place there.
+        torch.testing.assert_close(out, ref, rtol=2**-7 if dtype == torch.bfloat16 else 2**-10, atol=0)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", ROW_SHAPES)
+def test_ternarize_and_pack_match_reference(shape, dtype):
+    w = (torch.randn(*shape, device=DEVICE) * 0.02).to(dtype)
+    g = bq.absmean_scale_reference(w)
+    t = bq.ternarize(w, g)
+    t_ref = bq.ternarize_reference(w, g)
+    assert torch.equal(t, t_ref)
+    assert set(t.unique().tolist()) <= {-1, 0, 1}
+    packed = bq.ternarize(w, g, pack=True)
+    assert packed.shape == (shape[0], (shape[1] + 3) // 4) and packed.dtype == torch.uint8
+    assert torch.equal(packed, bq.pack_ternary_reference(t_ref))
+    assert torch.equal(bq.unpack_ternary(packed, shape[1]), t_ref)
+    assert torch.equal(bq.unpack_ternary_reference(packed, shape[1]), t_ref)
+
+
+def test_pack_roundtrips_every_ternary_pattern():
+    # All 3**4 = 81 groups of four ternary values, in order, one per byte.
+    vals = torch.cartesian_prod(*[torch.tensor([-1, 0, 1])] * 4).to(torch.int8)
+    t = vals.reshape(1, -1).to(DEVICE)
+    packed = bq.pack_ternary_reference(t)
+    codes = (vals.long() + 1)
+    expected = (codes[:, 0] | codes[:, 1] << 2 | codes[:, 2] << 4 | codes[:, 3] << 6).to(torch.uint8)
+    assert torch.equal(packed.cpu().flatten(), expected)
+    assert torch.equal(bq.unpack_ternary(packed, t.shape[1]), t)
+    assert torch.equal(bq.unpack_ternary_reference(packed, t.shape[1]), t)
+    assert len(set(packed.flatten().tolist())) == 81
+
+
+@pytest.mark.parametrize("cols", [1, 2, 3, 5, 6, 7, 9])
+def test_pack_pads_odd_columns_with_zero_codes(cols):
+    t = torch.randint(-1, 2, (3, cols), dtype=torch.int8, device=DEVICE)
+    packed = bq.pack_ternary_reference(t)
+    assert packed.shape == (3, (cols + 3) // 4)
+    last = packed[:, -1].long()
+    for slot in range(cols % 4 or 4, 4):  # padded slots hold code 1 (value 0)
+        assert ((last >> (2 * slot)) & 3 == 1).all()
+    assert torch.equal(bq.unpack_ternary(packed, cols), t)
+    out = torch.full((3, cols), 5, dtype=torch.int8, device=DEVICE)
+    assert bq.unpack_ternary(packed, cols, out=out) is out and torch.equal(out, t)
+
+
+@pytest.mark.parametrize("out_dtype", FLOATS)
+@pytest.mark.parametrize("shape", MM_SHAPES)
+def test_int8_matmul_matches_reference(shape, out_dtype):
+    m, n, k = shape
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8, device=DEVICE)
+    b = torch.randint(-1, 2, (n, k), dtype=torch.int8, device=DEVICE)
+    sa = torch.rand(m, device=DEVICE) * 0.1 + 1e-3
+    sb = torch.rand((), device=DEVICE) + 0.01
+    out = mm.int8_matmul_scaled(a, b, sa, sb, out_dtype)
+    ref = mm.int8_matmul_scaled_reference(a, b, sa, sb, out_dtype)
+    assert out.dtype == out_dtype and not out.isnan().any()
+    if out_dtype == torch.float32 or DEVICE == "cuda":
+        assert torch.equal(out, ref)
+    else:
+        torch.testing.assert_close(out, ref, rtol=2**-7 if out_dtype == torch.bfloat16 else 2**-10, atol=0)
+
+
+def test_int8_matmul_takes_strided_operands():
+    a = torch.randint(-127, 128, (40, 96), dtype=torch.int8, device=DEVICE)[:, :70]
+    b = torch.randint(-1, 2, (70, 30), dtype=torch.int8, device=DEVICE).t()
+    sa, sb = torch.rand(40, device=DEVICE), torch.tensor(0.5, device=DEVICE)
+    assert torch.equal(mm.int8_matmul_scaled(a, b, sa, sb, torch.float32),
+                       mm.int8_matmul_scaled_reference(a, b, sa, sb, torch.float32))
+
+
+def test_kernels_refuse_unsupported_input():
+    with pytest.raises(TypeError, match="float64"):
+        bq.quantize_rows(torch.randn(4, 8, dtype=torch.float64, device=DEVICE))
+    with pytest.raises(TypeError, match="int32"):
+        bq.ternarize(torch.ones(4, 8, dtype=torch.int32, device=DEVICE), torch.tensor(1.0, device=DEVICE))
+    with pytest.raises(ValueError, match="one-element fp32"):
+        bq.ternarize(torch.ones(4, 8, device=DEVICE), torch.ones(2, device=DEVICE))
+    with pytest.raises(ValueError, match="2-D"):
+        bq.quantize_rows(torch.randn(2, 3, 4, device=DEVICE))
+    a8 = torch.zeros(4, 8, dtype=torch.int8, device=DEVICE)
+    with pytest.raises(TypeError, match="int8 operands"):
+        mm.int8_matmul_scaled(a8.float(), a8, torch.ones(4, device=DEVICE), torch.tensor(1.0, device=DEVICE), torch.float32)
+    with pytest.raises(TypeError, match="output dtype"):
+        mm.int8_matmul_scaled(a8, a8, torch.ones(4, device=DEVICE), torch.tensor(1.0, device=DEVICE), torch.int32)
+    with pytest.raises(ValueError, match="overflow"):
+        big = torch.zeros(1, mm.MAX_K + 1, dtype=torch.int8, device=DEVICE)
+        mm.int8_matmul_scaled(big, big, torch.ones(1, device=DEVICE), torch.tensor(1.0, device=DEVICE), torch.float32)
+    with pytest.raises(ValueError, match="cannot hold"):
+        bq.unpack_ternary(torch.zeros(2, 3, dtype=torch.uint8, device=DEVICE), 5)
+    with pytest.raises(ValueError, match="outside"):
+        bq.pack_ternary_reference(torch.full((1, 4), 2, dtype=torch.int8))

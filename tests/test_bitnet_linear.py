@@ -1,0 +1,243 @@
+"""BitNet linear layers and converters on one process (CPU: the reference kernels)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from types import SimpleNamespace  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+from titan_lowbit.bitnet import (  # noqa: E402
+    CONVERTERS,
+    BitNetTrainingWeight,
+    convert_to_bitnet,
+    insert_subln,
+)
+from titan_lowbit.bitnet import ops  # noqa: E402
+from titan_lowbit.config import LowBit  # noqa: E402
+from titan_lowbit.kernels import bitnet_quant as bq  # noqa: E402
+
+
+def _job(**lowbit):
+    return SimpleNamespace(lowbit=LowBit(**lowbit))
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(48, 64), nn.GELU(), nn.Linear(64, 40, bias=False))
+
+
+def _ste_reference(model, x, int8_backward):
+    """Forward and gradients of the textbook straight-through formulation."""
+    x = x.detach().clone().requires_grad_()
+    w0, b0, w2 = (p.detach().clone().requires_grad_() for p in (model[0].weight, model[0].bias, model[2].weight))
+    h = torch.nn.functional.gelu(ops.bitnet_linear_reference(x, w0, b0))
+    y = ops.bitnet_linear_reference(h, w2)
+    if not int8_backward:
+        y.square().sum().backward()
+        return y, x.grad, w0.grad, b0.grad, w2.grad
+    # int8 backward: dx = Q(dy) W^ (dy row-quantized); dW = dy^T x^ unchanged.
+    def qdq(t):
+        q, s = bq.quantize_rows_reference(t.reshape(-1, t.shape[-1]))
+        return (q.float() * s[:, None]).view_as(t)
+
+    # int8 backward: layer 2's grad_input is Q(dy) W^ (dy row-quantized); every dW is
+    # dy^T x^ as before, so layer 0's dW and db follow from that grad_input exactly.
+    dy = 2 * y.detach()
+    q, s = bq.quantize_rows_reference(dy.reshape(-1, 40))
+    g2 = bq.absmean_scale_reference(w2.detach())
+    w2_hat = bq.ternarize_reference(w2.detach(), g2).float() * g2
+    dh = ((q.float() * s[:, None]) @ w2_hat).view_as(h)
+    hq, hs = bq.quantize_rows_reference(h.detach().reshape(-1, 64))
+    dw2 = dy.reshape(-1, 40).t() @ (hq.float() * hs[:, None])
+    h.backward(dh)
+    return y, None, w0.grad, b0.grad, dw2
+
+
+@pytest.mark.parametrize("int8_backward", [False, True])
+def test_forward_and_gradients_match_straight_through_reference(int8_backward):
+    model = _mlp()
+    ref = _mlp()
+    convert_to_bitnet(model, [], int8_backward=int8_backward)
+    assert all(isinstance(m.weight, BitNetTrainingWeight) for m in (model[0], model[2]))
+    x = torch.randn(3, 5, 48)
+    xm = x.clone().requires_grad_()
+    y = model(xm)
+    y.square().sum().backward()
+    y_ref, dx_ref, dw0_ref, db0_ref, dw2_ref = _ste_reference(ref, x, int8_backward)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model[2].weight.grad, dw2_ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(model[0].weight.grad, dw0_ref, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(model[0].bias.grad, db0_ref, rtol=1e-4, atol=1e-6)
+    if not int8_backward:  # (int8 grad_input: test_int8_backward_grad_input_matches_...)
+        torch.testing.assert_close(xm.grad, dx_ref, rtol=1e-4, atol=1e-6)
+
+
+def test_int8_backward_grad_input_matches_quantized_reference():
+    torch.manual_seed(1)
+    lin = nn.Linear(40, 24)
+    w = lin.weight.detach().clone()
+    convert_to_bitnet(nn.Sequential(lin), [])
+    x = torch.randn(7, 40, requires_grad=True)
+    dy = torch.randn(7, 24)
+    lin(x).backward(dy)
+    g = bq.absmean_scale_reference(w)
+    w_hat = bq.ternarize_reference(w, g).float() * g
+    q, s = bq.quantize_rows_reference(dy)
+    torch.testing.assert_close(x.grad, (q.float() * s[:, None]) @ w_hat, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lin.bias.grad, dy.sum(0))
+
+
+def test_bf16_activations_give_bf16_outputs_and_weight_dtype_grads():
+    lin = nn.Linear(32, 32)
+    convert_to_bitnet(nn.Sequential(lin), [])
+    x = torch.randn(4, 32, dtype=torch.bfloat16, requires_grad=True)
+    y = lin(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert lin.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+
+
+class _Toy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(50, 32)
+        self.proj = nn.Linear(32, 32)
+        self.output = nn.Linear(32, 50)
+
+    def forward(self, t):
+        return self.output(torch.relu(self.proj(self.tok(t))))
+
+
+def test_converter_respects_filter_and_leaves_embeddings():
+    model = _Toy()
+    conv = CONVERTERS["bitnet"](_job(), SimpleNamespace(tp_enabled=False))
+    conv.convert(model)
+    assert conv.converted == ["proj"]
+    assert isinstance(model.proj.weight, BitNetTrainingWeight)
+    assert type(model.output.weight) is nn.Parameter and type(model.tok.weight) is nn.Parameter
+    assert set(model.state_dict()) == set(_Toy().state_dict())
+    model(torch.randint(0, 50, (2, 6))).sum().backward()
+    assert model.proj.weight.grad is not None
+
+
+def test_converter_errors_are_clear():
+    with pytest.raises(ValueError, match="no nn.Linear layers"):
+        convert_to_bitnet(nn.Sequential(nn.Embedding(10, 16), nn.LayerNorm(16)), [])
+    with pytest.raises(ValueError, match="'attn_out' matches no module"):
+        convert_to_bitnet(_Toy(), ["output", "attn_out"])
+    with pytest.raises(ValueError, match="all excluded"):
+        convert_to_bitnet(_Toy(), ["proj", "output"])
+    with pytest.raises(ValueError, match="at least 16 inputs.*bitnet_filter"):
+        convert_to_bitnet(nn.Sequential(nn.Linear(8, 32)), [])
+    with pytest.raises(TypeError, match="float64"):
+        convert_to_bitnet(nn.Sequential(nn.Linear(32, 32, dtype=torch.float64)), [])
+    with pytest.raises(NotImplementedError, match="tensor parallel"):
+        CONVERTERS["bitnet"](_job(), SimpleNamespace(tp_enabled=True))
+    lin = nn.Linear(32, 32)
+    convert_to_bitnet(nn.Sequential(lin), [])
+    with pytest.raises(TypeError, match="float64"):
+        lin(torch.randn(2, 32, dtype=torch.float64))
+
+
+def _llama(n_layers=2, seed=0):
+    from torchtitan.models.llama3.model.model import Transformer, TransformerModelArgs
+
+    torch.manual_seed(seed)
+    args = TransformerModelArgs(dim=64, n_layers=n_layers, n_heads=4, vocab_size=96, max_seq_len=16)
+    with torch.device("meta"):
+        model = Transformer(args)
+    return model
+
+
+def _materialize(model, seed=0):
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights()
+    return model
+
+
+def test_subln_inserts_norms_and_commutes_with_bitnet():
+    a = _llama()
+    insert_subln(a)
+    convert_to_bitnet(a, ["output"])
+    b = _llama()
+    convert_to_bitnet(b, ["output"])
+    insert_subln(b)
+    _materialize(a), _materialize(b)
+    block = a.layers["0"]
+    assert isinstance(block.attention_norm, nn.Identity) and isinstance(block.ffn_norm, nn.Identity)
+    norms = {n for n, _ in a.named_parameters() if "bitnet_input_norm" in n}
+    assert len(norms) == 2 * 7  # wq wk wv wo w1 w2 w3 per block
+    # init_weights reached the new norms through the removed block norms (meta -> ones).
+    assert all(torch.equal(p, torch.ones_like(p)) for n, p in a.named_parameters() if n in norms)
+    assert isinstance(a.layers["1"].feed_forward.w2.weight, BitNetTrainingWeight)
+    tokens = torch.randint(0, 96, (2, 16))
+    torch.testing.assert_close(a(tokens), b(tokens))
+    # The first linear sees its own RMSNorm of the block input.
+    seen = {}
+    block.attention.wq.register_forward_hook(lambda m, i, o: seen.setdefault("wq", i[0]))
+    h = a.tok_embeddings(tokens)
+    a(tokens)
+    torch.testing.assert_close(seen["wq"], torch.nn.functional.rms_norm(h, (64,), eps=block.attention.wq.bitnet_input_norm.eps))
+
+
+def test_subln_errors_are_clear():
+    with pytest.raises(ValueError, match="no.*none|has none"):
+        insert_subln(_Toy())
+    model = _llama(1)
+    insert_subln(model)
+    with pytest.raises(ValueError, match="applied twice"):
+        insert_subln(model)
+
+
+def test_activation_checkpointing_and_compile_keep_values():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = _materialize(_llama())
+    insert_subln(model)
+    convert_to_bitnet(model, ["output"])
+    with torch.no_grad():
+        model.init_weights()
+    tokens = torch.randint(0, 96, (2, 16))
+
+    def grads():
+        model.zero_grad()
+        out = model(tokens)
+        out.float().square().mean().backward()
+        return out.detach(), model.layers["0"].attention.wq.weight.grad.clone()
+
+    y0, g0 = grads()
+    plain = dict(model.layers.named_children())
+    for name, blk in plain.items():
+        model.layers.register_module(name, checkpoint_wrapper(blk, preserve_rng_state=False))
+    y1, g1 = grads()
+    for name, blk in plain.items():
+        model.layers.register_module(name, torch.compile(blk, backend="aot_eager", fullgraph=True))
+    y2, g2 = grads()
+    torch.testing.assert_close(y1, y0)
+    torch.testing.assert_close(g1, g0)
+    torch.testing.assert_close(y2, y0, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g2, g0, rtol=1e-4, atol=1e-6)
+
+
+def test_optimizer_step_and_state_dict_keep_the_subclass(tmp_path):
+    model = _Toy()
+    convert_to_bitnet(model, ["output"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randint(0, 50, (2, 6))).sum().backward()
+    before = model.proj.weight._data.clone()
+    opt.step()
+    assert isinstance(model.proj.weight, BitNetTrainingWeight)
+    assert not torch.equal(model.proj.weight._data, before)
+    assert type(opt.state[model.proj.weight]["exp_avg"]) is torch.Tensor
+    torch.save(model.state_dict(), tmp_path / "sd.pt")
+    fresh = _Toy()
+    convert_to_bitnet(fresh, ["output"])
+    fresh.load_state_dict(torch.load(tmp_path / "sd.pt", weights_only=False))
+    assert isinstance(fresh.proj.weight, BitNetTrainingWeight)
+    assert torch.equal(fresh.proj.weight._data, model.proj.weight._data)
