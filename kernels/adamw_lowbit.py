@@ -72,6 +72,36 @@ DEFAULT_ELEMS_PER_PROGRAM = 2048
 DEFAULT_NUM_WARPS = 8
 
 
+
+# The same constants as compile-time values for the @triton.jit code below.
+_K_CODEC_DYN4_SIGNED = tl.constexpr(CODEC_DYN4_SIGNED)
+_K_CODEC_DYN8_SIGNED = tl.constexpr(CODEC_DYN8_SIGNED)
+_K_CODEC_DYN8_UNSIGNED = tl.constexpr(CODEC_DYN8_UNSIGNED)
+_K_CODEC_FP8_E4M3 = tl.constexpr(CODEC_FP8_E4M3)
+_K_CODEC_LIN4_NOZERO = tl.constexpr(CODEC_LIN4_NOZERO)
+_K_CODEC_NONE = tl.constexpr(CODEC_NONE)
+_K_TABLE_SIZE = tl.constexpr(TABLE_SIZE)
+_K_TABLE_STRIDE = tl.constexpr(TABLE_STRIDE)
+_K_UPDATE_NEAREST = tl.constexpr(UPDATE_NEAREST)
+_K_UPDATE_STOCHASTIC = tl.constexpr(UPDATE_STOCHASTIC)
+_K_UPDATE_KAHAN = tl.constexpr(UPDATE_KAHAN)
+_K_UPDATE_MASTER = tl.constexpr(UPDATE_MASTER)
+_K_META_PARAM = tl.constexpr(META_PARAM)
+_K_META_M = tl.constexpr(META_M)
+_K_META_V = tl.constexpr(META_V)
+_K_META_MSCALE = tl.constexpr(META_MSCALE)
+_K_META_VSCALE = tl.constexpr(META_VSCALE)
+_K_META_EXTRA = tl.constexpr(META_EXTRA)
+_K_META_COLS = tl.constexpr(META_COLS)
+_K_META_BPR = tl.constexpr(META_BPR)
+_K_META_NBLOCKS = tl.constexpr(META_NBLOCKS)
+_K_META_CODE_ROW = tl.constexpr(META_CODE_ROW)
+_K_META_SR_BASE = tl.constexpr(META_SR_BASE)
+_K_META_SR_ROW = tl.constexpr(META_SR_ROW)
+_K_META_SR_KEY = tl.constexpr(META_SR_KEY)
+_K_META_STRIDE = tl.constexpr(META_STRIDE)
+
+
 # ----------------------------------------------------------------------------------------
 # Small device helpers (each has a twin in adamw_lowbit_ref.py)
 # ----------------------------------------------------------------------------------------
@@ -116,8 +146,8 @@ def _dyn_encode(x, tab, M: tl.constexpr, SIGNED: tl.constexpr):
     k = tl.zeros(x.shape, tl.int32)
     for j in tl.static_range(1, M):
         k += (a > tl.load(tab + j)).to(tl.int32)
-    off = tl.load(tab + TABLE_STRIDE + k)
-    inv_step = tl.load(tab + 2 * TABLE_STRIDE + k)
+    off = tl.load(tab + _K_TABLE_STRIDE + k)
+    inv_step = tl.load(tab + 2 * _K_TABLE_STRIDE + k)
     q = tl.floor((a - off) * inv_step + 0.5).to(tl.int32)
     top = tl.full(x.shape, 1, tl.int32) << k
     q = tl.minimum(tl.maximum(q, 0), top)
@@ -134,8 +164,8 @@ def _dyn_decode(code, tab, M: tl.constexpr, SIGNED: tl.constexpr):
     k = ((p.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     k = tl.maximum(k, 0)
     f = p - (tl.full(p.shape, 1, tl.int32) << k)
-    off = tl.load(tab + TABLE_STRIDE + k)
-    step = tl.load(tab + 3 * TABLE_STRIDE + k)
+    off = tl.load(tab + _K_TABLE_STRIDE + k)
+    step = tl.load(tab + 3 * _K_TABLE_STRIDE + k)
     val = off + (f + 1).to(tl.float32) * step
     val = tl.where(p == 0, 0.0, val)
     if SIGNED:
@@ -185,13 +215,13 @@ def _fp8_decode(code):
 
 @triton.jit
 def _decode(code, tab, CODEC: tl.constexpr):
-    if CODEC == CODEC_LIN4_NOZERO:
+    if CODEC == _K_CODEC_LIN4_NOZERO:
         return _lin4_decode(code)
-    elif CODEC == CODEC_FP8_E4M3:
+    elif CODEC == _K_CODEC_FP8_E4M3:
         return _fp8_decode(code)
-    elif CODEC == CODEC_DYN8_SIGNED:
+    elif CODEC == _K_CODEC_DYN8_SIGNED:
         return _dyn_decode(code, tab, 7, True)
-    elif CODEC == CODEC_DYN8_UNSIGNED:
+    elif CODEC == _K_CODEC_DYN8_UNSIGNED:
         return _dyn_decode(code, tab, 8, False)
     else:
         return _dyn_decode(code, tab, 3, True)
@@ -199,104 +229,94 @@ def _decode(code, tab, CODEC: tl.constexpr):
 
 @triton.jit
 def _encode(x, tab, CODEC: tl.constexpr):
-    if CODEC == CODEC_LIN4_NOZERO:
+    if CODEC == _K_CODEC_LIN4_NOZERO:
         return _lin4_encode(x)
-    elif CODEC == CODEC_FP8_E4M3:
+    elif CODEC == _K_CODEC_FP8_E4M3:
         return _fp8_encode(x)
-    elif CODEC == CODEC_DYN8_SIGNED:
+    elif CODEC == _K_CODEC_DYN8_SIGNED:
         return _dyn_encode(x, tab, 7, True)
-    elif CODEC == CODEC_DYN8_UNSIGNED:
+    elif CODEC == _K_CODEC_DYN8_UNSIGNED:
         return _dyn_encode(x, tab, 8, False)
     else:
         return _dyn_encode(x, tab, 3, True)
 
 
 @triton.jit
-def _load_state(meta, col_ptr: tl.constexpr, col_scale: tl.constexpr, tab, row, cb, col, qb, code_row,
-                emask, CODEC: tl.constexpr, STATE_BF16: tl.constexpr, NB: tl.constexpr,
-                QBLOCK: tl.constexpr, ALIGNED: tl.constexpr):
-    """Load one moment of a tile as fp32 [NB, QBLOCK] (plain or dequantized)."""
-    base = tl.load(meta + col_ptr)
-    if ALIGNED:
-        base = tl.multiple_of(base, 16)
-    if CODEC == CODEC_NONE:
-        off = row[:, None] * code_row + col
-        if STATE_BF16:
-            ptr = base.to(tl.pointer_type(tl.bfloat16))
-        else:
-            ptr = base.to(tl.pointer_type(tl.float32))
-        return tl.load(ptr + off, mask=emask, other=0.0).to(tl.float32)
+def _load_state(base, off, sbase, soff, tab, row, cb, col, qb, nblocks, cols, code_row, emask,
+                CODEC: tl.constexpr, QBLOCK: tl.constexpr):
+    """Load one moment of a tile as fp32 [NB, QBLOCK] (plain, or codes dequantized)."""
+    if CODEC == _K_CODEC_NONE:
+        return tl.load(base + off + row[:, None] * code_row + col, mask=emask, other=0.0).to(tl.float32)
     else:
-        ptr = base.to(tl.pointer_type(tl.uint8))
-        bmask = (qb < tl.load(meta + META_NBLOCKS))
-        sptr = tl.load(meta + col_scale).to(tl.pointer_type(tl.float32))
-        absmax = tl.load(sptr + qb, mask=bmask, other=0.0)
-        if CODEC == CODEC_DYN4_SIGNED or CODEC == CODEC_LIN4_NOZERO:
+        bmask = qb < nblocks
+        absmax = tl.load(sbase + soff + qb, mask=bmask, other=0.0)
+        if CODEC == _K_CODEC_DYN4_SIGNED or CODEC == _K_CODEC_LIN4_NOZERO:
             half: tl.constexpr = QBLOCK // 2
             byte = cb[:, None] * half + tl.arange(0, half)[None, :]
-            cols = tl.load(meta + META_COLS)
             bm = bmask[:, None] & (byte < (cols + 1) // 2)
-            packed = tl.load(ptr + row[:, None] * code_row + byte, mask=bm, other=0).to(tl.int32)
+            packed = tl.load(base + off + row[:, None] * code_row + byte, mask=bm, other=0).to(tl.int32)
             codes = tl.interleave(packed & 15, packed >> 4)
         else:
-            codes = tl.load(ptr + row[:, None] * code_row + col, mask=emask, other=0)
+            codes = tl.load(base + off + row[:, None] * code_row + col, mask=emask, other=0)
         return _decode(codes, tab, CODEC) * absmax[:, None]
 
 
 @triton.jit
-def _store_state(meta, col_ptr: tl.constexpr, col_scale: tl.constexpr, tab, x, row, cb, col, qb, code_row,
-                 emask, CODEC: tl.constexpr, STATE_BF16: tl.constexpr, NB: tl.constexpr,
-                 QBLOCK: tl.constexpr, ALIGNED: tl.constexpr):
-    """Store one moment of a tile: plain, or re-quantized with the block's new absmax."""
-    base = tl.load(meta + col_ptr)
-    if ALIGNED:
-        base = tl.multiple_of(base, 16)
-    if CODEC == CODEC_NONE:
-        off = row[:, None] * code_row + col
-        if STATE_BF16:
-            tl.store(base.to(tl.pointer_type(tl.bfloat16)) + off, _bf16_rne(x), mask=emask)
+def _store_state(x, base, off, sbase, soff, tab, row, cb, col, qb, nblocks, cols, code_row, emask,
+                 CODEC: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr):
+    """Store one moment of a tile: plain, or re-quantized with each block's new absmax."""
+    if CODEC == _K_CODEC_NONE:
+        ptr = base + off + row[:, None] * code_row + col
+        if ptr.dtype.element_ty == tl.bfloat16:
+            tl.store(ptr, _bf16_rne(x), mask=emask)
         else:
-            tl.store(base.to(tl.pointer_type(tl.float32)) + off, x, mask=emask)
+            tl.store(ptr, x, mask=emask)
     else:
-        ptr = base.to(tl.pointer_type(tl.uint8))
-        bmask = (qb < tl.load(meta + META_NBLOCKS))
+        bmask = qb < nblocks
         x = tl.where(emask, x, 0.0)
         absmax = tl.max(tl.abs(x), axis=1)
         inv = tl.div_rn(tl.full(absmax.shape, 1.0, tl.float32), tl.where(absmax > 0, absmax, 1.0))
         codes = _encode(x * inv[:, None], tab, CODEC)
-        sptr = tl.load(meta + col_scale).to(tl.pointer_type(tl.float32))
-        tl.store(sptr + qb, absmax, mask=bmask)
-        if CODEC == CODEC_DYN4_SIGNED or CODEC == CODEC_LIN4_NOZERO:
+        tl.store(sbase + soff + qb, absmax, mask=bmask)
+        if CODEC == _K_CODEC_DYN4_SIGNED or CODEC == _K_CODEC_LIN4_NOZERO:
             half: tl.constexpr = QBLOCK // 2
             lo, hi = tl.split(tl.reshape(codes, [NB, half, 2]))
             byte = cb[:, None] * half + tl.arange(0, half)[None, :]
-            cols = tl.load(meta + META_COLS)
             bm = bmask[:, None] & (byte < (cols + 1) // 2)
-            tl.store(ptr + row[:, None] * code_row + byte, (lo | (hi << 4)).to(tl.uint8), mask=bm)
+            tl.store(base + off + row[:, None] * code_row + byte, (lo | (hi << 4)).to(tl.uint8), mask=bm)
         else:
-            tl.store(ptr + row[:, None] * code_row + col, codes.to(tl.uint8), mask=emask)
+            tl.store(base + off + row[:, None] * code_row + col, codes.to(tl.uint8), mask=emask)
+
+
+@triton.jit
+def _meta_offset(meta, COL: tl.constexpr, ALIGNED: tl.constexpr):
+    """Element offset of one of a tensor's buffers from the launch's base pointer."""
+    off = tl.load(meta + COL)
+    if ALIGNED:
+        off = tl.multiple_of(off, 16)
+    return off
 
 
 @triton.jit
 def _adamw_lowbit_kernel(
-    tiles_ptr, meta_ptr, grads_ptr, tables_ptr, lr_ptr,
+    tiles_ptr, meta_ptr, grad_offsets_ptr, tables_ptr, lr_ptr,
+    p_base, g_base, m_base, v_base, ms_base, vs_base, x_base,
     lr_value, inv_bc1, inv_sqrt_bc2, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, wd, skey,
-    M_CODEC: tl.constexpr, V_CODEC: tl.constexpr, STATE_BF16: tl.constexpr,
-    PARAM_BF16: tl.constexpr, GRAD_BF16: tl.constexpr, UPDATE: tl.constexpr,
+    M_CODEC: tl.constexpr, V_CODEC: tl.constexpr, UPDATE: tl.constexpr,
     DECOUPLED: tl.constexpr, LR_IS_TENSOR: tl.constexpr, ALIGNED: tl.constexpr,
     QBLOCK: tl.constexpr, NB: tl.constexpr,
 ):
+    # Buffers are addressed as base pointer (a kernel argument, so the compiler knows its
+    # alignment) + per-tensor element offset from the metadata table (+ hint when ALIGNED):
+    # that is what lets Triton emit 16-byte vector loads for tensors it only sees through a table.
     pid = tl.program_id(0)
     slot = tl.load(tiles_ptr + 2 * pid).to(tl.int64)
     q0 = tl.load(tiles_ptr + 2 * pid + 1).to(tl.int64)
-    meta = meta_ptr + slot * META_STRIDE
-    cols = tl.load(meta + META_COLS)
-    bpr = tl.load(meta + META_BPR)
-    nblocks = tl.load(meta + META_NBLOCKS)
-    code_row = tl.load(meta + META_CODE_ROW)
-    if ALIGNED:
-        cols = tl.multiple_of(cols, 16)
-        code_row = tl.multiple_of(code_row, 16)
+    meta = meta_ptr + slot * _K_META_STRIDE
+    cols = _meta_offset(meta, _K_META_COLS, ALIGNED)
+    code_row = _meta_offset(meta, _K_META_CODE_ROW, ALIGNED)
+    bpr = tl.load(meta + _K_META_BPR)
+    nblocks = tl.load(meta + _K_META_NBLOCKS)
 
     qb = q0 + tl.arange(0, NB).to(tl.int64)
     row = qb // bpr
@@ -311,35 +331,31 @@ def _adamw_lowbit_kernel(
         lr = lr_value
     step_size = lr * inv_bc1
     decay = 1.0 - lr * wd
+    PARAM_BF16: tl.constexpr = p_base.dtype.element_ty == tl.bfloat16
 
-    pbase = tl.load(meta + META_PARAM)
-    gbase = tl.load(grads_ptr + slot)
+    pptr = p_base + _meta_offset(meta, _K_META_PARAM, ALIGNED) + eoff
+    g_off = tl.load(grad_offsets_ptr + slot)
     if ALIGNED:
-        pbase = tl.multiple_of(pbase, 16)
-        gbase = tl.multiple_of(gbase, 16)
-    if PARAM_BF16:
-        pptr = pbase.to(tl.pointer_type(tl.bfloat16))
-    else:
-        pptr = pbase.to(tl.pointer_type(tl.float32))
-    if GRAD_BF16:
-        gptr = gbase.to(tl.pointer_type(tl.bfloat16))
-    else:
-        gptr = gbase.to(tl.pointer_type(tl.float32))
-    g = tl.load(gptr + eoff, mask=emask, other=0.0).to(tl.float32)
-    p_stored = tl.load(pptr + eoff, mask=emask, other=0.0).to(tl.float32)
+        g_off = tl.multiple_of(g_off, 16)
+    g = tl.load(g_base + g_off + eoff, mask=emask, other=0.0).to(tl.float32)
+    p_stored = tl.load(pptr, mask=emask, other=0.0).to(tl.float32)
+    xptr = x_base + _meta_offset(meta, _K_META_EXTRA, ALIGNED) + eoff
 
-    if UPDATE == UPDATE_MASTER and PARAM_BF16:
-        xptr = tl.load(meta + META_EXTRA).to(tl.pointer_type(tl.float32))
-        p = tl.load(xptr + eoff, mask=emask, other=0.0)
+    if UPDATE == _K_UPDATE_MASTER and PARAM_BF16:
+        p = tl.load(xptr, mask=emask, other=0.0)
     else:
         p = p_stored
 
-    tab_m = tables_ptr + M_CODEC * TABLE_SIZE
-    tab_v = tables_ptr + V_CODEC * TABLE_SIZE
-    m = _load_state(meta, META_M, META_MSCALE, tab_m, row, cb, col, qb, code_row, emask,
-                    M_CODEC, STATE_BF16, NB, QBLOCK, ALIGNED)
-    v = _load_state(meta, META_V, META_VSCALE, tab_v, row, cb, col, qb, code_row, emask,
-                    V_CODEC, STATE_BF16, NB, QBLOCK, ALIGNED)
+    tab_m = tables_ptr + M_CODEC * _K_TABLE_SIZE
+    tab_v = tables_ptr + V_CODEC * _K_TABLE_SIZE
+    m_off = _meta_offset(meta, _K_META_M, ALIGNED)
+    v_off = _meta_offset(meta, _K_META_V, ALIGNED)
+    ms_off = tl.load(meta + _K_META_MSCALE)
+    vs_off = tl.load(meta + _K_META_VSCALE)
+    m = _load_state(m_base, m_off, ms_base, ms_off, tab_m, row, cb, col, qb, nblocks, cols, code_row,
+                    emask, M_CODEC, QBLOCK)
+    v = _load_state(v_base, v_off, vs_base, vs_off, tab_v, row, cb, col, qb, nblocks, cols, code_row,
+                    emask, V_CODEC, QBLOCK)
 
     # ---- AdamW, fp32 -------------------------------------------------------------------
     if not DECOUPLED:
@@ -353,32 +369,29 @@ def _adamw_lowbit_kernel(
     else:
         p_new = p - upd
 
-    _store_state(meta, META_M, META_MSCALE, tab_m, m, row, cb, col, qb, code_row, emask,
-                 M_CODEC, STATE_BF16, NB, QBLOCK, ALIGNED)
-    _store_state(meta, META_V, META_VSCALE, tab_v, v, row, cb, col, qb, code_row, emask,
-                 V_CODEC, STATE_BF16, NB, QBLOCK, ALIGNED)
+    _store_state(m, m_base, m_off, ms_base, ms_off, tab_m, row, cb, col, qb, nblocks, cols, code_row,
+                 emask, M_CODEC, NB, QBLOCK)
+    _store_state(v, v_base, v_off, vs_base, vs_off, tab_v, row, cb, col, qb, nblocks, cols, code_row,
+                 emask, V_CODEC, NB, QBLOCK)
 
     # ---- weight write ------------------------------------------------------------------
     if not PARAM_BF16:
-        tl.store(pptr + eoff, p_new, mask=emask)
-    elif UPDATE == UPDATE_NEAREST:
-        tl.store(pptr + eoff, _bf16_rne(p_new), mask=emask)
-    elif UPDATE == UPDATE_STOCHASTIC:
-        gidx = tl.load(meta + META_SR_BASE) + row[:, None] * tl.load(meta + META_SR_ROW) + col
-        tkey = tl.load(meta + META_SR_KEY).to(tl.uint32)
-        tl.store(pptr + eoff, _bf16_stochastic(p_new, gidx, tkey, skey.to(tl.uint32)), mask=emask)
-    elif UPDATE == UPDATE_KAHAN:
-        cptr = tl.load(meta + META_EXTRA).to(tl.pointer_type(tl.bfloat16))
-        c = tl.load(cptr + eoff, mask=emask, other=0.0).to(tl.float32)
+        tl.store(pptr, p_new, mask=emask)
+    elif UPDATE == _K_UPDATE_NEAREST:
+        tl.store(pptr, _bf16_rne(p_new), mask=emask)
+    elif UPDATE == _K_UPDATE_STOCHASTIC:
+        gidx = tl.load(meta + _K_META_SR_BASE) + row[:, None] * tl.load(meta + _K_META_SR_ROW) + col
+        tkey = tl.load(meta + _K_META_SR_KEY).to(tl.uint32)
+        tl.store(pptr, _bf16_stochastic(p_new, gidx, tkey, skey.to(tl.uint32)), mask=emask)
+    elif UPDATE == _K_UPDATE_KAHAN:
+        c = tl.load(xptr, mask=emask, other=0.0).to(tl.float32)
         s = (p_new - p) + c
         p_b = _bf16_rne(p + s)
-        c_new = _bf16_rne(s - (p_b.to(tl.float32) - p))
-        tl.store(pptr + eoff, p_b, mask=emask)
-        tl.store(cptr + eoff, c_new, mask=emask)
+        tl.store(pptr, p_b, mask=emask)
+        tl.store(xptr, _bf16_rne(s - (p_b.to(tl.float32) - p)), mask=emask)
     else:  # MASTER
-        xptr = tl.load(meta + META_EXTRA).to(tl.pointer_type(tl.float32))
-        tl.store(xptr + eoff, p_new, mask=emask)
-        tl.store(pptr + eoff, _bf16_rne(p_new), mask=emask)
+        tl.store(xptr, p_new, mask=emask)
+        tl.store(pptr, _bf16_rne(p_new), mask=emask)
 
 
 # ----------------------------------------------------------------------------------------
@@ -443,22 +456,40 @@ def code_row_elems(cfg: AdamWConfig, cols: int) -> int:
     return cols
 
 
+def _elem_offset(t: Optional[torch.Tensor], base: torch.Tensor) -> int:
+    """Element offset of ``t`` from ``base`` (pointer difference in units of t's element)."""
+    if t is None:
+        return 0
+    diff = t.data_ptr() - base.data_ptr()
+    if diff % t.element_size():
+        raise ValueError("optimizer buffers must be aligned to their element size")
+    return diff // t.element_size()
+
+
 class FusedAdamW:
     """A launch plan over many tensors of one family; built once, reused every step.
 
-    The metadata and tile tables live on the device. Only the gradient pointers can change
-    between steps (``zero_grad(set_to_none=True)`` frees them); they are re-uploaded when they
-    differ from the last step's, in one small host-to-device copy.
+    The metadata and tile tables live on the device. Only the gradients can move between
+    steps (``zero_grad(set_to_none=True)`` frees them); their offsets are re-uploaded when the
+    pointers differ from the last step's, in one small host-to-device copy.
     """
 
     def __init__(self, cfg: AdamWConfig, tensors: Sequence[AdamWTensor],
                  elems_per_program: int = DEFAULT_ELEMS_PER_PROGRAM, num_warps: int = DEFAULT_NUM_WARPS):
         if cfg.block & (cfg.block - 1) or cfg.block < 2:
             raise ValueError(f"block size must be a power of two >= 2, got {cfg.block}")
+        if not tensors:
+            raise ValueError("FusedAdamW needs at least one tensor")
         self.cfg = cfg
-        self.device = tensors[0].param.device
+        self.tensors = list(tensors)
+        t0 = tensors[0]
+        self.device = t0.param.device
         self.num_warps = num_warps
         self.nb = max(1, elems_per_program // cfg.block)
+        # Base pointers: the first tensor's buffer of each role (the param stands in for
+        # roles a family does not use; the kernel never touches those).
+        self.bases = [x if x is not None else t0.param for x in (
+            t0.param, t0.exp_avg, t0.exp_avg_sq, t0.exp_avg_scale, t0.exp_avg_sq_scale, t0.extra)]
         meta = torch.zeros(len(tensors), META_STRIDE, dtype=torch.int64)
         tiles = []
         aligned = True
@@ -466,16 +497,9 @@ class FusedAdamW:
             bpr = -(-t.cols // cfg.block)
             nblocks = t.rows * bpr
             crow = code_row_elems(cfg, t.cols) if cfg.m_codec != CODEC_NONE else t.cols
-
-            def ptr(x):
-                return 0 if x is None else x.data_ptr()
-
-            meta[slot, META_PARAM] = ptr(t.param)
-            meta[slot, META_M] = ptr(t.exp_avg)
-            meta[slot, META_V] = ptr(t.exp_avg_sq)
-            meta[slot, META_MSCALE] = ptr(t.exp_avg_scale)
-            meta[slot, META_VSCALE] = ptr(t.exp_avg_sq_scale)
-            meta[slot, META_EXTRA] = ptr(t.extra)
+            offs = [_elem_offset(x, b) for x, b in zip(
+                (t.param, t.exp_avg, t.exp_avg_sq, t.exp_avg_scale, t.exp_avg_sq_scale, t.extra), self.bases)]
+            meta[slot, META_PARAM:META_EXTRA + 1] = torch.tensor(offs)
             meta[slot, META_COLS] = t.cols
             meta[slot, META_BPR] = bpr
             meta[slot, META_NBLOCKS] = nblocks
@@ -484,43 +508,54 @@ class FusedAdamW:
             meta[slot, META_SR_ROW] = t.sr_row_stride
             meta[slot, META_SR_KEY] = t.sr_key
             aligned &= t.cols % 16 == 0 and crow % 16 == 0
-            aligned &= all(x is None or x.data_ptr() % 16 == 0 for x in
-                           (t.param, t.exp_avg, t.exp_avg_sq, t.extra))
-            for q0 in range(0, nblocks, self.nb):
-                tiles.append((slot, q0))
-        if len(tiles) >= 2**31 or max((t.rows * -(-t.cols // cfg.block) for t in tensors), default=0) >= 2**31:
-            raise ValueError("tensor too large for the tile table (int32 block indices)")
+            aligned &= all(o % 16 == 0 for i, o in enumerate(offs) if i not in (META_MSCALE, META_VSCALE))
+            if nblocks >= 2**31:
+                raise ValueError(f"tensor of {t.rows}x{t.cols} has too many blocks for int32 tile indices")
+            tiles.extend((slot, q0) for q0 in range(0, nblocks, self.nb))
         self.aligned = aligned
-        self.n_tensors = len(tensors)
         self.meta = meta.to(self.device)
         self.tiles = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 2).to(self.device)
         self.n_programs = len(tiles)
         self.tables = codec_tables(str(self.device))
         self._grad_ptrs: list[int] = []
-        self._grad_table = torch.zeros(len(tensors), dtype=torch.int64, device=self.device)
+        self._grad_base: Optional[torch.Tensor] = None
+        self._grad_offsets = torch.zeros(len(tensors), dtype=torch.int64, device=self.device)
+
+    def _upload_grads(self, grads: Sequence[torch.Tensor]) -> None:
+        ptrs = [g.data_ptr() for g in grads]
+        if ptrs == self._grad_ptrs:
+            return
+        offs = [_elem_offset(g, grads[0]) for g in grads]
+        if self.aligned and any(o % 16 for o in offs):
+            raise ValueError("gradients are not 64-byte aligned relative to each other; "
+                             "the optimizer rebuilds its launch plan for such gradients")
+        host = torch.tensor(offs, dtype=torch.int64)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        self._grad_offsets.copy_(host, non_blocking=True)
+        self._grad_ptrs = ptrs
+        self._grad_base = grads[0]
+
+    def grads_fit(self, grads: Sequence[torch.Tensor]) -> bool:
+        """Whether these gradients can use this plan (alignment of their relative offsets)."""
+        if not self.aligned:
+            return True
+        esize = grads[0].element_size()
+        return all((g.data_ptr() - grads[0].data_ptr()) % (16 * esize) == 0 for g in grads)
 
     def step(self, grads: Sequence[torch.Tensor], hyper: AdamWHyper) -> None:
         cfg = self.cfg
-        ptrs = [g.data_ptr() for g in grads]
-        if ptrs != self._grad_ptrs:
-            aligned = all(p % 16 == 0 for p in ptrs)
-            if not aligned and self.aligned:
-                raise ValueError("gradient storage is not 16-byte aligned; rebuild the plan")
-            host = torch.tensor(ptrs, dtype=torch.int64)
-            if self.device.type == "cuda":
-                host = host.pin_memory()
-            self._grad_table.copy_(host, non_blocking=True)
-            self._grad_ptrs = ptrs
+        self._upload_grads(grads)
         s = hyper_scalars(hyper)
         lr_is_tensor = isinstance(hyper.lr, torch.Tensor)
-        lr_tensor = hyper.lr if lr_is_tensor else self._grad_table
+        lr_tensor = hyper.lr if lr_is_tensor else self.tables
         lr_value = 0.0 if lr_is_tensor else float(hyper.lr)
         _adamw_lowbit_kernel[(self.n_programs,)](
-            self.tiles, self.meta, self._grad_table, self.tables, lr_tensor,
+            self.tiles, self.meta, self._grad_offsets, self.tables, lr_tensor,
+            self.bases[0], self._grad_base, *self.bases[1:],
             lr_value, s["inv_bc1"], s["inv_sqrt_bc2"], s["beta1"], s["one_minus_beta1"],
             s["beta2"], s["one_minus_beta2"], s["eps"], s["wd"], s["skey"],
-            M_CODEC=cfg.m_codec, V_CODEC=cfg.v_codec, STATE_BF16=cfg.state_bf16,
-            PARAM_BF16=cfg.param_dtype == torch.bfloat16, GRAD_BF16=cfg.grad_dtype == torch.bfloat16,
-            UPDATE=cfg.weight_update, DECOUPLED=cfg.decoupled, LR_IS_TENSOR=lr_is_tensor,
+            M_CODEC=cfg.m_codec, V_CODEC=cfg.v_codec, UPDATE=cfg.weight_update,
+            DECOUPLED=cfg.decoupled, LR_IS_TENSOR=lr_is_tensor,
             ALIGNED=self.aligned, QBLOCK=cfg.block, NB=self.nb, num_warps=self.num_warps,
         )
