@@ -1,0 +1,192 @@
+"""BitNet under FSDP2 on two gloo processes (CPU, reference kernels).
+
+One spawn runs every scenario and hands rank 0's measurements to the tests below.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import functools  # noqa: E402
+import socket  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+WORLD = 2
+# (in, out) per layer: K = 30 and 38 are not multiples of 4 (padded packing).
+LAYERS = [(30, 64), (64, 38), (38, 16)]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    mods = []
+    for i, (k, n) in enumerate(LAYERS):
+        mods += [nn.Linear(k, n, bias=False)] + ([nn.ReLU()] if i < len(LAYERS) - 1 else [])
+    return nn.Sequential(*mods)
+
+
+class _Counter:
+    """Counts calls of a function held as an attribute (and the bytes of tensor inputs)."""
+
+    def __init__(self, owner, name, bytes_arg=None):
+        self.calls, self.sizes = 0, []
+        self.orig = getattr(owner, name)
+
+        @functools.wraps(self.orig)  # FSDP2 inspects the hook's signature
+        def wrapped(*args, **kwargs):
+            self.calls += 1
+            if bytes_arg is not None:
+                t = args[bytes_arg]
+                self.sizes.append(t.numel() * t.element_size())
+            return self.orig(*args, **kwargs)
+
+        setattr(owner, name, wrapped)
+
+    def reset(self):
+        self.calls, self.sizes = 0, []
+
+
+def _worker(rank, port, out_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        results = _scenarios(rank)
+        if rank == 0:
+            torch.save(results, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def _scenarios(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from titan_lowbit.bitnet import CONVERTERS, BitNetTrainingWeight
+    from titan_lowbit.config import LowBit
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    all_reduce = _Counter(dist, "all_reduce")
+    gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    all_gather = _Counter(dist, gather_name, bytes_arg=1)
+    pre_gather = _Counter(BitNetTrainingWeight, "fsdp_pre_all_gather")
+    res = {}
+
+    def build(precompute):
+        job = SimpleNamespace(lowbit=LowBit(bitnet_filter=[], bitnet_precompute_scale=precompute))
+        conv = CONVERTERS["bitnet"](job, SimpleNamespace(tp_enabled=False))
+        ref, sharded = _model(), _model()
+        conv.convert(ref)
+        conv.convert(sharded)
+        for mod in sharded:
+            if isinstance(mod, nn.Linear):
+                fully_shard(mod, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        return conv, ref, sharded
+
+    def step(model, opt, x):
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss.detach()
+
+    torch.manual_seed(1)
+    xs = [torch.randn(6, 30) for _ in range(3)]  # same on both ranks: plain data parallel off
+    for precompute in (True, False):
+        tag = "pre" if precompute else "nopre"
+        conv, ref, sharded = build(precompute)
+        opt_s = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
+        opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        counts, losses, grads_ok, scales = [], [], [], []
+        for i, x in enumerate(xs):
+            all_reduce.reset(), all_gather.reset(), pre_gather.reset()
+            ls = step(sharded, opt_s, x)
+            fwd_bwd = (all_reduce.calls, pre_gather.calls, all_gather.sizes)
+            lr_ = step(ref, opt_r, x)
+            losses.append((ls.item(), lr_.item()))
+            grads_ok.append(max((ps.grad.full_tensor() - pr.grad).abs().max().item()
+                                for ps, pr in zip(sharded.parameters(), ref.parameters())))
+            opt_s.step(), opt_r.step()
+            opt_s.zero_grad(), opt_r.zero_grad()
+            all_reduce.reset()
+            conv.post_optimizer_hook([sharded])
+            counts.append(fwd_bwd + (all_reduce.calls,))
+            scales.append(max(
+                (p._local_tensor._precomputed_scale - p.full_tensor().abs().mean()).abs().item()
+                if p._local_tensor._precomputed_scale is not None else float("inf")
+                for p in sharded.parameters()))
+        res[tag] = dict(counts=counts, losses=losses, grad_err=grads_ok, scale_err=scales,
+                        local_types={type(p._local_tensor).__name__ for p in sharded.parameters()})
+
+
+    # Rows not divisible by the shard count: a clear error on every rank, no hang.
+    bad = nn.Sequential(nn.Linear(32, 33, bias=False))
+    CONVERTERS["bitnet"](SimpleNamespace(lowbit=LowBit(bitnet_filter=[])), None).convert(bad)
+    fully_shard(bad, mesh=mesh)
+    try:
+        bad(torch.randn(2, 32))
+        res["uneven_error"] = None
+    except ValueError as e:
+        res["uneven_error"] = str(e)
+    return res
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bitnet_fsdp") / "results.pt"
+    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    return torch.load(out, weights_only=False)
+
+
+def test_sharded_training_matches_unsharded_bitnet(results):
+    for tag in ("pre", "nopre"):
+        r = results[tag]
+        for loss_sharded, loss_ref in r["losses"]:
+            assert loss_sharded == pytest.approx(loss_ref, rel=1e-5)
+        assert max(r["grad_err"]) < 1e-5
+        assert r["local_types"] == {"BitNetTrainingWeight"}
+
+
+def test_all_gather_sends_packed_two_bit_codes(results):
+    # Each rank sends its rows x ceil(K / 4) bytes per layer: a quarter byte per element
+    # (a little more where K is not a multiple of 4), against 2 bytes for bf16.
+    payload = {n // WORLD * ((k + 3) // 4) for k, n in LAYERS}
+    for tag in ("pre", "nopre"):
+        for _, gathers, sizes, _ in results[tag]["counts"]:
+            assert len(sizes) == gathers and set(sizes) <= payload
+    for k, n in LAYERS:
+        packed, bf16 = n * ((k + 3) // 4), 2 * n * k
+        assert packed * 8 <= bf16 * (1 + 3 / k)
+
+
+def test_one_all_reduce_per_step_with_precomputed_scales(results):
+    counts = results["pre"]["counts"]
+    # Step 1 has no precomputed scale yet: one all-reduce per gathered layer.
+    fwd_bwd_reduces, gathers, _, hook_reduces = counts[0]
+    assert fwd_bwd_reduces == gathers and hook_reduces == 1
+    for fwd_bwd_reduces, gathers, _, hook_reduces in counts[1:]:
+        assert gathers >= len(LAYERS)
+        assert fwd_bwd_reduces == 0 and hook_reduces == 1
+
+
+def test_without_precompute_each_gather_all_reduces(results):
+    for fwd_bwd_reduces, gathers, _, hook_reduces in results["nopre"]["counts"]:
+        assert fwd_bwd_reduces == gathers >= len(LAYERS) and hook_reduces == 0
+
+
+def test_precomputed_scales_equal_global_abs_mean(results):
+    assert max(results["pre"]["scale_err"]) < 1e-7
+    assert results["nopre"]["scale_err"][0] == float("inf")  # nothing precomputed
+
+
+def test_uneven_rows_raise_a_clear_error(results):
+    assert results["uneven_error"] and "not a multiple of the FSDP shard count 2" in results["uneven_error"]
