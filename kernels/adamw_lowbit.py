@@ -507,8 +507,7 @@ class FusedAdamW:
             meta[slot, META_SR_BASE] = t.sr_base
             meta[slot, META_SR_ROW] = t.sr_row_stride
             meta[slot, META_SR_KEY] = t.sr_key
-            aligned &= t.cols % 16 == 0 and crow % 16 == 0
-            aligned &= all(o % 16 == 0 for i, o in enumerate(offs) if i not in (META_MSCALE, META_VSCALE))
+            aligned &= self.is_aligned(cfg, t)
             if nblocks >= 2**31:
                 raise ValueError(f"tensor of {t.rows}x{t.cols} has too many blocks for int32 tile indices")
             tiles.extend((slot, q0) for q0 in range(0, nblocks, self.nb))
@@ -520,6 +519,14 @@ class FusedAdamW:
         self._grad_ptrs: list[int] = []
         self._grad_base: Optional[torch.Tensor] = None
         self._grad_offsets = torch.zeros(len(tensors), dtype=torch.int64, device=self.device)
+
+    @staticmethod
+    def is_aligned(cfg: AdamWConfig, t: AdamWTensor, grad: Optional[torch.Tensor] = None) -> bool:
+        """Whether a tensor can join a family compiled with 16-element alignment hints
+        (vector loads): row lengths multiple of 16 and every buffer 64-byte aligned."""
+        crow = code_row_elems(cfg, t.cols) if cfg.m_codec != CODEC_NONE else t.cols
+        bufs = (t.param, t.exp_avg, t.exp_avg_sq, t.extra, grad)
+        return t.cols % 16 == 0 and crow % 16 == 0 and all(x is None or x.data_ptr() % 64 == 0 for x in bufs)
 
     def _upload_grads(self, grads: Sequence[torch.Tensor]) -> None:
         ptrs = [g.data_ptr() for g in grads]
@@ -538,10 +545,7 @@ class FusedAdamW:
 
     def grads_fit(self, grads: Sequence[torch.Tensor]) -> bool:
         """Whether these gradients can use this plan (alignment of their relative offsets)."""
-        if not self.aligned:
-            return True
-        esize = grads[0].element_size()
-        return all((g.data_ptr() - grads[0].data_ptr()) % (16 * esize) == 0 for g in grads)
+        return not self.aligned or all(g.data_ptr() % 64 == 0 for g in grads)
 
     def step(self, grads: Sequence[torch.Tensor], hyper: AdamWHyper) -> None:
         cfg = self.cfg

@@ -1,1 +1,22 @@
-"""Optimizer front end: formats, AdamW math, param groups, DTensor handling."""
+"""Optimizer front end: formats, AdamW math, param groups, DTensor handling.
+
+``OPTIMIZERS`` is the one list of optimizer names the plugin adds (torchtitan's
+``[optimizer] name``), each mapped to ``LowBitAdamW`` keyword arguments.
+"""
+
+from .adamw import LowBitAdamW
+from .formats import STATE_FORMATS, StateFormat
+
+OPTIMIZERS: dict[str, dict] = {
+    "AdamW8bit": dict(state_format="8bit", decoupled_weight_decay=True),
+    "AdamW4bit": dict(state_format="4bit", decoupled_weight_decay=True),
+    "AdamWFp8": dict(state_format="fp8", decoupled_weight_decay=True),
+    "Adam8bit": dict(state_format="8bit", decoupled_weight_decay=False),
+    "Adam4bit": dict(state_format="4bit", decoupled_weight_decay=False),
+    "AdamFp8": dict(state_format="fp8", decoupled_weight_decay=False),
+    # fp32 states: used for torch's names when a bf16 weight update other than nearest is asked for
+    "AdamW": dict(state_format="fp32", decoupled_weight_decay=True),
+    "Adam": dict(state_format="fp32", decoupled_weight_decay=False),
+}
+
+__all__ = ["LowBitAdamW", "OPTIMIZERS", "STATE_FORMATS", "StateFormat"]

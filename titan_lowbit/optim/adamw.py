@@ -1,0 +1,432 @@
+"""``LowBitAdamW``: one AdamW for every state format and BF16 weight-update rule.
+
+The optimizer is a drop-in ``torch.optim.Optimizer``. It owns the *front end*: parameter
+groups, validation with errors that name the parameter, eager state creation with the
+parameter's DTensor placements, the non-finite-gradient policy, and grouping of tensors
+into launch *families*. The math runs in ``titan_lowbit.kernels.adamw_lowbit``: the fused
+Triton kernel on CUDA, its op-for-op PyTorch reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Iterable, Optional
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from titan_lowbit.kernels.adamw_lowbit import (
+    UPDATE_NEAREST,
+    WEIGHT_UPDATES,
+    AdamWConfig,
+    AdamWHyper,
+    AdamWTensor,
+    FusedAdamW,
+)
+from titan_lowbit.kernels.adamw_lowbit_ref import adamw_step_reference
+from titan_lowbit.kernels.quant_maps import tensor_key
+
+from .formats import SMALL_TENSOR_FORMAT, STATE_FORMATS, StateFormat
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16)
+NONFINITE_POLICIES = ("raise", "skip", "ignore")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (without the overhead of ``to_local()``), else ``t``."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
+
+
+class LowBitAdamW(torch.optim.Optimizer):
+    """AdamW (or Adam with L2, ``decoupled_weight_decay=False``) with low-bit states.
+
+    Args:
+        params: parameters, ``(name, parameter)`` pairs (names then appear in every error),
+            or parameter groups (dicts); every option below except ``seed`` and
+            ``nonfinite_grad`` can be set per group.
+        lr: learning rate, a float or a 0-dim tensor (read on the device, no sync).
+        betas, eps, weight_decay: as in ``torch.optim.AdamW``.
+        state_format: "fp32", "bf16", "8bit" (dynamic tree, block 256), "4bit" (dynamic
+            exponent m / linear v, block 128) or "fp8" (e4m3, block 128).
+        decoupled_weight_decay: True for AdamW, False for Adam (weight decay added to the
+            gradient as L2).
+        weight_update: how the fp32 result lands in a bf16 parameter: "nearest",
+            "stochastic", "kahan" (bf16 compensation state) or "master" (fp32 master weights
+            as state). fp32 parameters are always updated exactly.
+        block_size: quantization block along the last dimension (power of two); 0 = the
+            format's default.
+        min_quantized_numel: parameters with fewer elements keep fp32 states.
+        seed: key of the stochastic-rounding hash (with step and element index).
+        nonfinite_grad: "raise" (default: error naming the parameter), "skip" (skip the
+            whole step, count it in ``skipped_steps``) or "ignore" (no check: saves one read
+            of the gradients and one host sync per step; non-finite values reach the state).
+    """
+
+    def __init__(self, params: Iterable[Any], lr: "float | torch.Tensor" = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2, *,
+                 state_format: str = "8bit", decoupled_weight_decay: bool = True, weight_update: str = "nearest",
+                 block_size: int = 0, min_quantized_numel: int = 4096, seed: int = 0,
+                 nonfinite_grad: str = "raise"):
+        if nonfinite_grad not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite_grad={nonfinite_grad!r}: choose one of {NONFINITE_POLICIES}")
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed={seed!r}: use a non-negative int")
+        self.seed = seed
+        self.nonfinite_grad = nonfinite_grad
+        self.skipped_steps = 0
+        self._names: dict[torch.Tensor, str] = {}
+        self._order: dict[torch.Tensor, int] = {}
+        self._plans: dict[tuple, list[FusedAdamW]] = {}
+        self._steps: dict[torch.Tensor, int] = {}
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_format=state_format,
+                        decoupled_weight_decay=decoupled_weight_decay, weight_update=weight_update,
+                        block_size=block_size, min_quantized_numel=min_quantized_numel)
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------------------------
+    # groups, validation, state
+    # ------------------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        gi = len(self.param_groups) - 1
+        self._check_group(group, gi)
+        names = group.get("param_names")
+        for pi, p in enumerate(group["params"]):
+            name = names[pi] if names else f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
+            self._names[p] = name
+            self._order[p] = len(self._order)
+            self._check_param(p, group)
+            self._init_state(p, group)
+        self._plans.clear()
+
+    def _name(self, p: torch.Tensor) -> str:
+        return self._names.get(p, f"parameter of shape {tuple(p.shape)}")
+
+    def _check_group(self, group: dict[str, Any], gi: int) -> None:
+        where = f"param group {gi}"
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            if lr.numel() != 1:
+                raise ValueError(f"{where}: lr tensor must hold one value, got shape {tuple(lr.shape)}")
+            if lr.device.type == "cpu" and lr.item() < 0:
+                raise ValueError(f"{where}: lr={lr.item()} is negative; use lr >= 0")
+        elif not isinstance(lr, (int, float)) or lr < 0 or not math.isfinite(lr):
+            raise ValueError(f"{where}: lr={lr!r} is invalid; use a finite float >= 0")
+        betas = group["betas"]
+        if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"{where}: betas={betas!r}; each beta must lie in [0, 1)")
+        if not (isinstance(group["eps"], (int, float)) and group["eps"] >= 0):
+            raise ValueError(f"{where}: eps={group['eps']!r}; use eps >= 0")
+        if not (isinstance(group["weight_decay"], (int, float)) and group["weight_decay"] >= 0):
+            raise ValueError(f"{where}: weight_decay={group['weight_decay']!r}; use weight_decay >= 0")
+        if group["state_format"] not in STATE_FORMATS:
+            raise ValueError(f"{where}: state_format={group['state_format']!r}; choose one of {list(STATE_FORMATS)}")
+        if group["weight_update"] not in WEIGHT_UPDATES:
+            raise ValueError(f"{where}: weight_update={group['weight_update']!r}; choose one of {list(WEIGHT_UPDATES)}")
+        bs = group["block_size"]
+        if not isinstance(bs, int) or bs < 0 or (bs and (bs < 2 or bs & (bs - 1))):
+            raise ValueError(f"{where}: block_size={bs!r}; use 0 (the format's default) or a power of two >= 2")
+        if not isinstance(group["min_quantized_numel"], int) or group["min_quantized_numel"] < 0:
+            raise ValueError(f"{where}: min_quantized_numel={group['min_quantized_numel']!r}; use an int >= 0")
+
+    def _format(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[StateFormat, int]:
+        """The effective state format and block size of a parameter."""
+        fmt = STATE_FORMATS[group["state_format"]]
+        if fmt.quantized and (p.numel() < group["min_quantized_numel"] or p.dim() == 0):
+            fmt = SMALL_TENSOR_FORMAT
+        return fmt, group["block_size"] or fmt.default_block
+
+    def _check_param(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        name = self._name(p)
+        if p.is_complex():
+            raise TypeError(f"param '{name}' is complex ({p.dtype}); LowBitAdamW steps real parameters only: "
+                            "view it as real (torch.view_as_real) or use torch.optim.AdamW for it")
+        if not p.is_floating_point():
+            raise TypeError(f"param '{name}' has integer dtype {p.dtype}; only float32/bfloat16 parameters "
+                            "can be optimized: exclude it from the optimizer")
+        if p.dtype not in SUPPORTED_PARAM_DTYPES:
+            raise TypeError(f"param '{name}' has dtype {p.dtype}; LowBitAdamW holds float32 or bfloat16 "
+                            "parameters: cast the model to one of them")
+        if p.is_sparse or (isinstance(p, DTensor) and p._local_tensor.is_sparse):
+            raise TypeError(f"param '{name}' is sparse; LowBitAdamW needs dense parameters")
+        if not _local(p).is_contiguous():
+            raise ValueError(f"param '{name}' is not contiguous; LowBitAdamW updates parameters in place "
+                             "and needs contiguous storage: call .contiguous() on it before building the optimizer")
+        fmt, block = self._format(p, group)
+        if isinstance(p, DTensor) and fmt.quantized and p.dim() >= 1:
+            cols = p.shape[-1]
+            shards = 1
+            for mesh_dim, pl in enumerate(p.placements):
+                if isinstance(pl, Shard) and pl.dim in (-1, p.dim() - 1):
+                    shards *= p.device_mesh.size(mesh_dim)
+            if shards > 1 and cols % (block * shards):
+                fits = [b for b in (256, 128, 64, 32, 16, 8, 4, 2) if cols % (b * shards) == 0]
+                hint = (f"set block_size={fits[0]} (it divides {cols} / {shards} shards)" if fits else
+                        "shard another dimension, or use state_format='fp32'/'bf16' for it")
+                raise ValueError(
+                    f"param '{name}' ({tuple(p.shape)}) is sharded {shards} ways along its last dimension, which "
+                    f"splits its {fmt.name} quantization blocks of {block}: {hint}")
+
+    def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        """Create the param's state now (not at the first step), so a checkpoint can be
+        loaded into it before training starts and DCP sees real tensors."""
+        state = self.state[p]
+        if state:
+            return
+        fmt, block = self._format(p, group)
+        local = _local(p)
+        shapes = fmt.state_shapes(tuple(local.shape), block)
+        global_shapes = fmt.state_shapes(tuple(p.shape), block) if isinstance(p, DTensor) else shapes
+        for key, (shape, dtype) in shapes.items():
+            state[key] = self._wrap(p, torch.zeros(shape, dtype=dtype, device=local.device), global_shapes[key][0])
+        if p.dtype == torch.bfloat16 and group["weight_update"] == "master":
+            state["master"] = self._wrap(p, local.detach().to(torch.float32).clone(), tuple(p.shape))
+        elif p.dtype == torch.bfloat16 and group["weight_update"] == "kahan":
+            state["kahan_comp"] = self._wrap(p, torch.zeros_like(local), tuple(p.shape))
+        state["step"] = torch.tensor(0.0)
+        self._steps[p] = 0
+
+    @staticmethod
+    def _wrap(p: torch.Tensor, local: torch.Tensor, global_shape: tuple[int, ...]) -> torch.Tensor:
+        if not isinstance(p, DTensor):
+            return local
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                  shape=torch.Size(global_shape), stride=_contiguous_stride(global_shape))
+
+    def state_bytes_per_param(self) -> float:
+        """Optimizer-state bytes per parameter element (local shards; ``step`` excluded)."""
+        nbytes = numel = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                numel += _local(p).numel()
+                for key, val in self.state[p].items():
+                    if key != "step" and isinstance(val, torch.Tensor):
+                        loc = _local(val)
+                        nbytes += loc.numel() * loc.element_size()
+        return nbytes / max(numel, 1)
+
+    # ------------------------------------------------------------------------------------
+    # checkpoints
+    # ------------------------------------------------------------------------------------
+    @staticmethod
+    def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):
+        # torch casts floating state to the parameter's dtype; our states have their own
+        # dtypes (fp32 scales and master weights next to bf16 params), so only move them.
+        if key == "step":
+            return value
+        return value.to(device=param.device)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._plans.clear()
+        for gi, group in enumerate(self.param_groups):
+            self._check_group(group, gi)
+            for p in group["params"]:
+                self._check_loaded_state(p, group)
+
+    def _check_loaded_state(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        state = self.state[p]
+        if not state:
+            self._init_state(p, group)
+            return
+        fmt, block = self._format(p, group)
+        expect = fmt.state_shapes(tuple(p.shape), block)
+        if p.dtype == torch.bfloat16 and group["weight_update"] == "master":
+            expect["master"] = (tuple(p.shape), torch.float32)
+        elif p.dtype == torch.bfloat16 and group["weight_update"] == "kahan":
+            expect["kahan_comp"] = (tuple(p.shape), torch.bfloat16)
+        got = {k: (tuple(v.shape), v.dtype) for k, v in state.items() if k != "step"}
+        if got != expect:
+            raise ValueError(
+                f"param '{self._name(p)}': the loaded optimizer state {got} does not match state_format="
+                f"{fmt.name!r}, block {block}, weight_update={group['weight_update']!r} (expected {expect}); "
+                "load with the optimizer settings the checkpoint was saved with")
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0)
+        self._steps[p] = int(state["step"].item())
+
+    # ------------------------------------------------------------------------------------
+    # the step
+    # ------------------------------------------------------------------------------------
+    def _check_grad(self, p: torch.Tensor) -> torch.Tensor:
+        g = p.grad
+        name = self._name(p)
+        if g.is_sparse or (isinstance(g, DTensor) and g._local_tensor.is_sparse):
+            raise RuntimeError(f"param '{name}' has a sparse gradient; LowBitAdamW needs dense gradients "
+                               "(e.g. nn.Embedding(sparse=False))")
+        lg = _local(g)
+        if lg.dtype not in SUPPORTED_PARAM_DTYPES:
+            raise TypeError(f"param '{name}' has a {lg.dtype} gradient; use float32 or bfloat16 gradients")
+        if lg.shape != _local(p).shape:
+            raise ValueError(f"param '{name}': gradient shape {tuple(lg.shape)} != parameter shape "
+                             f"{tuple(_local(p).shape)}")
+        return lg if lg.is_contiguous() else lg.contiguous()
+
+    def _nonfinite_param(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> Optional[str]:
+        """Name of a parameter with a non-finite gradient, '' if only another rank has one,
+        None if all are finite. One fused max-abs pass over the gradients and one sync."""
+        flags = []
+        by_device: dict[torch.device, list[int]] = {}
+        for i, g in enumerate(grads):
+            by_device.setdefault(g.device, []).append(i)
+        bad_local: Optional[int] = None
+        for dev, idx in by_device.items():
+            norms = torch._foreach_norm([grads[i] for i in idx], float("inf"))
+            finite = torch.isfinite(torch.stack([n.float() for n in norms]))
+            flags.append((idx, finite))
+        distributed = (torch.distributed.is_available() and torch.distributed.is_initialized()
+                       and torch.distributed.get_world_size() > 1 and any(isinstance(p, DTensor) for p in params))
+        for idx, finite in flags:
+            fin = finite.cpu()
+            if not bool(fin.all()):
+                bad_local = idx[int((~fin).nonzero()[0])] if bad_local is None else bad_local
+        if distributed:
+            # Every rank must take the same decision, or they step different models.
+            backend_dev = grads[0].device if torch.distributed.get_backend() != "gloo" else torch.device("cpu")
+            any_bad = torch.tensor([0.0 if bad_local is None else 1.0], device=backend_dev)
+            torch.distributed.all_reduce(any_bad, op=torch.distributed.ReduceOp.MAX)
+            if bad_local is None and float(any_bad.item()) > 0:
+                return ""
+        return None if bad_local is None else self._name(params[bad_local])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        entries = []  # (param, group index)
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p.grad is not None:
+                    entries.append((p, gi))
+        if not entries:
+            return loss
+        grads = [self._check_grad(p) for p, _ in entries]
+
+        if self.nonfinite_grad != "ignore":
+            bad = self._nonfinite_param([p for p, _ in entries], grads)
+            if bad is not None:
+                where = f"param '{bad}'" if bad else "a parameter on another rank"
+                if self.nonfinite_grad == "raise":
+                    raise FloatingPointError(
+                        f"non-finite gradient (inf/nan) in {where} before optimizer step "
+                        f"{self._steps[entries[0][0]] + 1}; fix the loss scale / learning rate, or build the "
+                        "optimizer with nonfinite_grad='skip' to skip such steps")
+                self.skipped_steps += 1
+                logger.warning(f"LowBitAdamW: skipped a step with a non-finite gradient in {where} "
+                               f"({self.skipped_steps} skipped so far)")
+                return loss
+
+        families: dict[tuple, list[int]] = {}
+        for i, (p, gi) in enumerate(entries):
+            self._steps[p] += 1
+            families.setdefault(self._family_key(p, grads[i], gi), []).append(i)
+        torch._foreach_add_([self.state[p]["step"] for p, _ in entries], 1.0)
+
+        for key, idx in families.items():
+            gi, cfg, step = key[0], key[1], key[2]
+            group = self.param_groups[gi]
+            hyper = AdamWHyper(lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
+                               eps=group["eps"], weight_decay=group["weight_decay"], step=step)
+            params = [entries[i][0] for i in idx]
+            fam_grads = [grads[i] for i in idx]
+            if _local(params[0]).is_cuda:
+                self._step_fused(key, cfg, params, fam_grads, hyper)
+            else:
+                tensors = [self._kernel_tensor(p, cfg) for p in params]
+                adamw_step_reference(cfg, tensors, fam_grads, hyper)
+        return loss
+
+    def _family_key(self, p: torch.Tensor, grad: torch.Tensor, gi: int) -> tuple:
+        group = self.param_groups[gi]
+        fmt, block = self._format(p, group)
+        update = WEIGHT_UPDATES[group["weight_update"]] if p.dtype == torch.bfloat16 else UPDATE_NEAREST
+        cfg = AdamWConfig(m_codec=fmt.m_codec, v_codec=fmt.v_codec, state_bf16=fmt.plain_dtype == torch.bfloat16,
+                          block=block, weight_update=update, decoupled=bool(group["decoupled_weight_decay"]),
+                          param_dtype=p.dtype, grad_dtype=grad.dtype)
+        return (gi, cfg, self._steps[p], _local(p).device)
+
+    def _step_fused(self, key: tuple, cfg: AdamWConfig, params: list[torch.Tensor], grads: list[torch.Tensor],
+                    hyper: AdamWHyper) -> None:
+        """Launch the cached plans of a family (built on first use, and again whenever the
+        set of parameters with gradients or the gradients' relative alignment changes)."""
+        plan_key = (key[0], cfg, key[3], tuple(id(p) for p in params))
+        plans = self._plans.get(plan_key)
+        if plans is not None and all(pl.grads_fit([grads[i] for i in sel]) for pl, sel in plans):
+            for pl, sel in plans:
+                pl.step([grads[i] for i in sel], hyper)
+            return
+        tensors = [self._kernel_tensor(p, cfg) for p in params]
+        aligned, unaligned = [], []
+        for i, t in enumerate(tensors):
+            (aligned if FusedAdamW.is_aligned(cfg, t, grads[i]) else unaligned).append(i)
+        plans = []
+        for sel in (aligned, unaligned):
+            if sel:
+                plans.append((FusedAdamW(cfg, [tensors[i] for i in sel]), sel))
+        self._plans[plan_key] = plans
+        for pl, sel in plans:
+            pl.step([grads[i] for i in sel], hyper)
+
+    def _kernel_tensor(self, p: torch.Tensor, cfg: AdamWConfig) -> AdamWTensor:
+        """The kernel's view of one parameter: local buffers and the [rows, cols] layout."""
+        state = self.state[p]
+        local = _local(p)
+        cols_sharded = isinstance(p, DTensor) and any(
+            isinstance(pl, Shard) and pl.dim in (-1, p.dim() - 1) for pl in p.placements)
+        if cfg.m_codec or cols_sharded:
+            cols = local.shape[-1] if local.dim() else 1
+            rows = local.numel() // max(cols, 1)
+        else:  # plain formats: one flat row
+            rows, cols = 1, local.numel()
+        sr_base, sr_row_stride = self._global_index(p, rows, cols)
+        if cfg.m_codec:
+            m, v = _local(state["exp_avg_codes"]), _local(state["exp_avg_sq_codes"])
+            if m.dtype != torch.uint8:
+                m, v = m.view(torch.uint8), v.view(torch.uint8)
+            ms, vs = _local(state["exp_avg_absmax"]), _local(state["exp_avg_sq_absmax"])
+        else:
+            m, v, ms, vs = _local(state["exp_avg"]), _local(state["exp_avg_sq"]), None, None
+        extra = state.get("master", state.get("kahan_comp"))
+        return AdamWTensor(param=local, exp_avg=m, exp_avg_sq=v, exp_avg_scale=ms, exp_avg_sq_scale=vs,
+                           extra=None if extra is None else _local(extra), rows=rows, cols=cols,
+                           sr_base=sr_base, sr_row_stride=sr_row_stride,
+                           sr_key=tensor_key(self.seed, self._order[p]))
+
+    @staticmethod
+    def _global_index(p: torch.Tensor, rows: int, cols: int) -> tuple[int, int]:
+        """(base, row stride) of the global element index used by stochastic rounding.
+
+        For plain tensors, Replicate, Shard(0) and Shard(last dim) placements (and their
+        combinations) the index is the element's position in the *global* parameter, so
+        stochastic rounding is the same function of the global tensor however it is
+        sharded. Other layouts (a middle dimension sharded, FSDP2+TP strided sharding of
+        dim 0) use the shard's global offset plus the local index: reproducible for a fixed
+        layout, but a different random stream after resharding.
+        """
+        if not isinstance(p, DTensor):
+            return 0, cols
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        gshape = tuple(p.shape)
+        lshape, offset = compute_local_shape_and_global_offset(gshape, p.device_mesh, p.placements)
+        gstride = _contiguous_stride(gshape)
+        simple = (all(type(pl).__name__ in ("Shard", "Replicate") for pl in p.placements)
+                  and tuple(lshape[1:-1]) == gshape[1:-1])
+        if not simple or len(gshape) == 0:
+            return sum(o * s for o, s in zip(offset, gstride)), cols
+        return sum(o * s for o, s in zip(offset, gstride)), gshape[-1]

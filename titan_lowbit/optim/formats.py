@@ -1,0 +1,91 @@
+"""The one list of optimizer-state formats, and the one block layout.
+
+A format says what a moment *is* (plain fp32/bf16, or codes + per-block absmax in one of the
+codecs of ``titan_lowbit.kernels.quant_maps``) and which tensors it stores. The AdamW math
+lives in the kernel (``titan_lowbit.kernels.adamw_lowbit``), in one place, for every format.
+
+Block layout (all quantized formats): a parameter is seen as rows along its last dimension
+(a 1-D tensor is one row). Blocks of ``block`` elements run along each row and never span
+two rows; a row whose length is not a multiple of ``block`` ends with a short block.
+
+* codes: shaped like the parameter (uint8; fp8 as ``float8_e4m3fn``); 4-bit codes hold two
+  elements per byte, so their last dimension is ``ceil(cols / 2)``: element ``2i`` of a row in
+  the low nibble, ``2i + 1`` in the high one; a row of odd length is padded with the code of
+  0 in its last high nibble.
+* absmax ("scales"): fp32, shaped like the parameter with the last dimension replaced by
+  ``ceil(cols / block)``.
+
+Because every state tensor keeps the parameter's leading dimensions, it can carry the
+parameter's DTensor placements: FSDP2's Shard(0) shards codes and scales exactly like the
+weight, and torch.distributed.checkpoint reshards them like any other tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from titan_lowbit.kernels.quant_maps import (
+    CODEC_DYN4_SIGNED,
+    CODEC_DYN8_SIGNED,
+    CODEC_DYN8_UNSIGNED,
+    CODEC_FP8_E4M3,
+    CODEC_LIN4_NOZERO,
+    CODEC_NONE,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateFormat:
+    """How one parameter's AdamW moments are stored."""
+
+    name: str
+    m_codec: int
+    v_codec: int
+    default_block: int  # elements per quantization block (plain formats: tile width only)
+    plain_dtype: Optional[torch.dtype] = None  # plain formats: the moments' dtype
+    code_dtype: torch.dtype = torch.uint8
+    codes_per_byte: int = 1
+
+    @property
+    def quantized(self) -> bool:
+        return self.m_codec != CODEC_NONE
+
+    def state_shapes(self, shape: tuple[int, ...], block: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """State tensor name -> (shape, dtype) for a parameter (or local shard) of ``shape``."""
+        if not self.quantized:
+            return {"exp_avg": (shape, self.plain_dtype), "exp_avg_sq": (shape, self.plain_dtype)}
+        cols = shape[-1] if shape else 1
+        lead = tuple(shape[:-1])
+        codes = lead + (-(-cols // self.codes_per_byte),)
+        scales = lead + (-(-cols // block),)
+        return {
+            "exp_avg_codes": (codes, self.code_dtype),
+            "exp_avg_absmax": (scales, torch.float32),
+            "exp_avg_sq_codes": (codes, self.code_dtype),
+            "exp_avg_sq_absmax": (scales, torch.float32),
+        }
+
+    def bytes_per_element(self, block: int) -> float:
+        """State bytes per parameter element for a long row (both moments, scales included)."""
+        if not self.quantized:
+            return 2 * torch.finfo(self.plain_dtype).bits / 8
+        return 2 * (1.0 / self.codes_per_byte + 4.0 / block)
+
+
+STATE_FORMATS: dict[str, StateFormat] = {
+    f.name: f
+    for f in (
+        StateFormat("fp32", CODEC_NONE, CODEC_NONE, 256, plain_dtype=torch.float32),
+        StateFormat("bf16", CODEC_NONE, CODEC_NONE, 256, plain_dtype=torch.bfloat16),
+        StateFormat("8bit", CODEC_DYN8_SIGNED, CODEC_DYN8_UNSIGNED, 256),
+        StateFormat("4bit", CODEC_DYN4_SIGNED, CODEC_LIN4_NOZERO, 128, codes_per_byte=2),
+        StateFormat("fp8", CODEC_FP8_E4M3, CODEC_FP8_E4M3, 128, code_dtype=torch.float8_e4m3fn),
+    )
+}
+
+# Tensors smaller than the group's ``min_quantized_numel`` keep this format (as bitsandbytes
+# and torchao do: the scales would cost more than they save, and norms/biases are sensitive).
+SMALL_TENSOR_FORMAT = STATE_FORMATS["fp32"]
