@@ -29,27 +29,58 @@ OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_K = (2**31 - 1) // (127 * 127)
 
 
-def _configs() -> list[triton.Config]:
+def _set_tma_blocks(nargs):
+    """Autotune pre-hook: the tensor descriptors' box is the config's tile."""
+    nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+    nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+
+
+def _configs(tma: bool) -> list[triton.Config]:
+    hook = _set_tma_blocks if tma else None
     if os.environ.get("TRITON_INTERPRET") == "1":
         # The interpreter runs every program in numpy; one small tile keeps tests quick
-        # and exercises the ragged masks.
+        # and exercises the ragged edges.
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2},
-                              num_warps=4, num_stages=1)]
-    cfgs = []
-    for bm, bn, bk, warps, stages in (
-        (128, 256, 128, 8, 3),
-        (256, 128, 128, 8, 3),
-        (128, 128, 128, 4, 4),
-        (128, 128, 128, 8, 4),
-        (128, 256, 64, 8, 4),
-        (64, 128, 128, 4, 4),
-    ):
-        cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
-                                  num_warps=warps, num_stages=stages))
-    return cfgs
+                              num_warps=4, num_stages=1, pre_hook=hook)]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
+                      num_warps=warps, num_stages=stages, pre_hook=hook)
+        for bm, bn, bk, warps, stages in (
+            (128, 256, 128, 8, 3),
+            (256, 128, 128, 8, 3),
+            (128, 128, 128, 4, 4),
+            (128, 128, 128, 8, 4),
+            (128, 256, 64, 8, 4),
+            (64, 128, 128, 4, 4),
+        )
+    ]
 
 
-@triton.autotune(configs=_configs(), key=["M", "N", "K"])
+@triton.jit
+def _tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    # Grouped program order: GROUP_M row tiles share each column tile of b while it sits in L2.
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % group) % group_rows, (pid % group) // group_rows
+
+
+@triton.jit
+def _scaled_store(acc, a_scale_ptr, b_scale_ptr, out_ptr, stride_om, M, N, pid_m, pid_n,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
+    b_scale = tl.load(b_scale_ptr)
+    out = acc.to(tl.float32) * (a_scale[:, None] * b_scale)
+    o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty),
+             mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+@triton.autotune(configs=_configs(tma=False), key=["M", "N", "K"])
 @triton.jit
 def _int8_matmul_kernel(
     a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, out_ptr,
@@ -57,26 +88,17 @@ def _int8_matmul_kernel(
     stride_am, stride_bn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # Grouped program order: GROUP_M row tiles share each column tile of b while it sits in L2.
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_n
-    first_m = (pid // group) * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % group_rows
-    pid_n = (pid % group) // group_rows
-
+    """Pointer loads (cp.async): any 16-byte-unaligned operand."""
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    # Clamp out-of-range rows to a valid row: loads stay in bounds without a row mask,
-    # and the store below is masked.
+    # Clamp out-of-range rows to row 0: loads stay in bounds without a row mask, and the
+    # store is masked.
     rows_a = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
     rows_b = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
     a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + rows_b[None, :] * stride_bn + offs_k[:, None]
-
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
@@ -85,13 +107,27 @@ def _int8_matmul_kernel(
         acc = tl.dot(a, b, acc, out_dtype=tl.int32)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    _scaled_store(acc, a_scale_ptr, b_scale_ptr, out_ptr, stride_om, M, N, pid_m, pid_n,
+                  BLOCK_M, BLOCK_N)
 
-    a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
-    b_scale = tl.load(b_scale_ptr)
-    out = acc.to(tl.float32) * (a_scale[:, None] * b_scale)
-    o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty),
-             mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+@triton.autotune(configs=_configs(tma=True), key=["M", "N", "K"])
+@triton.jit
+def _int8_matmul_tma_kernel(
+    a_desc, b_desc, a_scale_ptr, b_scale_ptr, out_ptr,
+    M, N, K, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Tensor-memory-accelerator loads (Hopper): the copy engine fills shared memory and
+    zero-fills the ragged edges, so the loop carries no masks."""
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        a = a_desc.load([pid_m * BLOCK_M, k0])
+        b = b_desc.load([pid_n * BLOCK_N, k0])
+        acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
+    _scaled_store(acc, a_scale_ptr, b_scale_ptr, out_ptr, stride_om, M, N, pid_m, pid_n,
+                  BLOCK_M, BLOCK_N)
 
 
 def _check(a, b, a_scale, b_scale, out_dtype):
@@ -112,10 +148,25 @@ def _check(a, b, a_scale, b_scale, out_dtype):
                         f"{[str(d) for d in OUT_DTYPES]}")
 
 
+def _tma_ok(*ts: torch.Tensor) -> bool:
+    # TMA wants 16-byte-aligned bases and row strides, and a Hopper-or-newer GPU.
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        if not ts[0].is_cuda or torch.cuda.get_device_capability(ts[0].device)[0] < 9:
+            return False
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in ts)
+
+
 def int8_matmul_scaled(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
-                       b_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """(a @ b.T) * a_scale[:, None] * b_scale on int8 tensor cores, written in out_dtype."""
+                       b_scale: torch.Tensor, out_dtype: torch.dtype,
+                       impl: str = "auto") -> torch.Tensor:
+    """(a @ b.T) * a_scale[:, None] * b_scale on int8 tensor cores, written in out_dtype.
+
+    impl: "tma" (Hopper tensor-descriptor loads), "pointer" (cp.async loads, any
+    alignment) or "auto" (TMA where the operands allow it). Both compute the same sums.
+    """
     _check(a, b, a_scale, b_scale, out_dtype)
+    if impl not in ("auto", "tma", "pointer"):
+        raise ValueError(f"BitNet int8 matmul: impl={impl!r}; choose auto, tma or pointer")
     a = a if a.stride(-1) == 1 else a.contiguous()
     b = b if b.stride(-1) == 1 else b.contiguous()
     M, K = a.shape
@@ -129,8 +180,21 @@ def int8_matmul_scaled(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-    _int8_matmul_kernel[grid](a, b, a_scale, b_scale.reshape(()), out, M, N, K,
-                              a.stride(0), b.stride(0), out.stride(0))
+    use_tma = _tma_ok(a, b) if impl == "auto" else impl == "tma"
+    if use_tma:
+        if not _tma_ok(a, b):
+            raise ValueError("BitNet int8 matmul: impl='tma' needs 16-byte-aligned operands "
+                             "and row strides on a Hopper GPU; use impl='pointer'")
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        # Box shapes are placeholders; the autotune pre-hook sets each config's tile.
+        a_desc = TensorDescriptor.from_tensor(a, [16, 16])
+        b_desc = TensorDescriptor.from_tensor(b, [16, 16])
+        _int8_matmul_tma_kernel[grid](a_desc, b_desc, a_scale, b_scale.reshape(()), out,
+                                      M, N, K, out.stride(0))
+    else:
+        _int8_matmul_kernel[grid](a, b, a_scale, b_scale.reshape(()), out, M, N, K,
+                                  a.stride(0), b.stride(0), out.stride(0))
     return out
 
 

@@ -262,7 +262,7 @@ def pack_ternary_reference(t: torch.Tensor) -> torch.Tensor:
     R, C = t.shape
     pad = (-C) % 4
     codes = torch.nn.functional.pad(t.to(torch.int32) + 1, (0, pad), value=1)
-    if ((codes < 0) | (codes > 2)).any():
+    if t.device.type != "meta" and ((codes < 0) | (codes > 2)).any():
         raise ValueError("BitNet: pack_ternary input holds values outside {-1, 0, 1}")
     codes = codes.view(R, -1, 4)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32, device=t.device)

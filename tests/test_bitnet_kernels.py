@@ -25,7 +25,7 @@ if INTERPRET:
 
     if not isinstance(bq._quantize_rows_kernel, InterpretedFunction):
         importlib.reload(bq)
-    if not isinstance(getattr(mm._int8_matmul_kernel, "fn", None), InterpretedFunction):
+    if not isinstance(mm._int8_matmul_kernel.fn, InterpretedFunction):
         importlib.reload(mm)
 DEVICE = "cuda" if (not INTERPRET and torch.cuda.is_available()) else "cpu"
 if DEVICE == "cpu" and not INTERPRET:
@@ -35,9 +35,9 @@ if DEVICE == "cpu" and not INTERPRET:
 ROW_SHAPES = [(1, 1), (7, 37), (33, 130), (5, 301)]
 if DEVICE == "cuda":
     ROW_SHAPES += [(4099, 2048), (1000, 14336), (300, 20000)]
-MM_SHAPES = [(1, 16, 1), (37, 45, 70), (64, 64, 64), (100, 17, 33)]
+MM_SHAPES = [(1, 16, 1), (37, 45, 70), (64, 64, 64), (100, 17, 33), (37, 45, 80), (70, 100, 48)]
 if DEVICE == "cuda":
-    MM_SHAPES += [(4096, 5632, 2048), (1000, 333, 4100), (257, 2048, 5632)]
+    MM_SHAPES += [(4096, 5632, 2048), (1000, 333, 4112)]
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -120,15 +120,20 @@ def test_pack_pads_odd_columns_with_zero_codes(cols):
     assert bq.unpack_ternary(packed, cols, out=out) is out and torch.equal(out, t)
 
 
+@pytest.mark.parametrize("impl", ["pointer", "tma"])
 @pytest.mark.parametrize("out_dtype", FLOATS)
 @pytest.mark.parametrize("shape", MM_SHAPES)
-def test_int8_matmul_matches_reference(shape, out_dtype):
+def test_int8_matmul_matches_reference(shape, out_dtype, impl):
     m, n, k = shape
     a = torch.randint(-127, 128, (m, k), dtype=torch.int8, device=DEVICE)
     b = torch.randint(-1, 2, (n, k), dtype=torch.int8, device=DEVICE)
     sa = torch.rand(m, device=DEVICE) * 0.1 + 1e-3
     sb = torch.rand((), device=DEVICE) + 0.01
-    out = mm.int8_matmul_scaled(a, b, sa, sb, out_dtype)
+    if impl == "tma" and k % 16:
+        with pytest.raises(ValueError, match="16-byte-aligned"):
+            mm.int8_matmul_scaled(a, b, sa, sb, out_dtype, impl=impl)
+        return
+    out = mm.int8_matmul_scaled(a, b, sa, sb, out_dtype, impl=impl)
     ref = mm.int8_matmul_scaled_reference(a, b, sa, sb, out_dtype)
     assert out.dtype == out_dtype and not out.isnan().any()
     if out_dtype == torch.float32 or DEVICE == "cuda":

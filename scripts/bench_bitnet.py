@@ -1,0 +1,323 @@
+#!/usr/bin/env python3
+"""Benchmark BitNet b1.58 linear layers against BF16 (and torchao's BitNet) on one GPU.
+
+    python scripts/bench_bitnet.py                      # GPU: the four shapes, 16384 tokens
+    python scripts/bench_bitnet.py --allgather-only     # FSDP2 all-gather bytes (CPU is fine)
+
+For each (in -> out) shape it times forward+backward of one linear layer (median of
+triton.testing.do_bench, fresh random bf16 inputs) for
+  bf16         nn.Linear in bf16 (cuBLAS)
+  bitnet       titan_lowbit's BitNet linear fed the all-gathered ternary weight (as under
+               FSDP2: the weight arrives quantized)
+  bitnet+wq    the same from the latent bf16 weight (abs-mean and ternarize every forward)
+  bitnet-bf16bwd  grad_input in bf16 ([lowbit] bitnet_int8_backward = false)
+  torchao      torchao's BitNet training weight under torch.compile (when importable)
+and the pieces (activation quantization, int8 matmuls, dequantization, bf16 grad_weight,
+torch._int_mm as the int8 ceiling), with the floor: two int8 GEMMs at the measured
+int8 rate plus one bf16 GEMM at the measured bf16 rate plus the quantization bytes at
+the measured copy bandwidth.
+
+The all-gather part reports FSDP2's all-gather payload per training step (forward plus
+the backward re-gather) for llama3 flavors, converted vs bf16, through the real
+fsdp_pre_all_gather of each weight on meta tensors; with --measure-gloo it also counts
+the bytes two gloo processes actually send for the debug model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SHAPES = [(2048, 5632), (5632, 2048), (4096, 14336), (14336, 4096)]
+
+
+def _bench(fn, grad_to_none=None):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none,
+                                   return_mode="median")
+
+
+def _ceilings(dev):
+    n = 8192
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    bf16_ms = _bench(lambda: a @ b)
+    ai = torch.randint(-127, 128, (n, n), device=dev, dtype=torch.int8)
+    bi = torch.randint(-127, 128, (n, n), device=dev, dtype=torch.int8).t()
+    int8_ms = _bench(lambda: torch._int_mm(ai, bi))
+    src = torch.randn(1 << 28, device=dev, dtype=torch.bfloat16)  # 512 MiB
+    dst = torch.empty_like(src)
+    copy_ms = _bench(lambda: dst.copy_(src))
+    return {
+        "bf16_tflops": 2 * n**3 / bf16_ms / 1e9,
+        "int8_tops_cublas": 2 * n**3 / int8_ms / 1e9,
+        "copy_tbps": 2 * src.numel() * 2 / copy_ms / 1e9,
+    }
+
+
+def _linear_rows(tokens, k, n, dev, ceil, with_torchao):
+    from titan_lowbit.bitnet import BitNetTernaryWeight, BitNetTrainingWeight
+    from titan_lowbit.bitnet import ops
+    from titan_lowbit.kernels import bitnet_matmul as mm
+    from titan_lowbit.kernels import bitnet_quant as bq
+
+    torch.manual_seed(0)
+    x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, n, device=dev, dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device=dev) * k**-0.5).to(torch.bfloat16).requires_grad_()
+    row = {"shape": f"{k}->{n}", "tokens": tokens}
+
+    def fwd_bwd(weight):
+        def run():
+            F.linear(x, weight).backward(dy)
+        return run
+
+    row["bf16_ms"] = _bench(fwd_bwd(w), [x, w])
+    g = bq.absmean_scale_reference(w.detach())
+    codes = bq.ternarize(w.detach(), g)
+    gathered = BitNetTernaryWeight(codes, g, torch.bfloat16).requires_grad_()
+    row["bitnet_ms"] = _bench(fwd_bwd(gathered), [x, gathered])
+    latent = nn.Parameter(BitNetTrainingWeight(w.detach().clone()))
+    row["bitnet_wq_ms"] = _bench(fwd_bwd(latent), [x, latent])
+    gathered_bf16bwd = BitNetTernaryWeight(codes, g, torch.bfloat16, int8_backward=False).requires_grad_()
+    row["bitnet_bf16bwd_ms"] = _bench(fwd_bwd(gathered_bf16bwd), [x, gathered_bf16bwd])
+
+    # Correctness of what was timed: the forward against the reference formulation.
+    with torch.no_grad():
+        y = F.linear(x, gathered).float()
+        y_ref = ops.bitnet_linear_reference(x.detach().float(), w.detach().float(), w_scale=g).float()
+        row["fwd_rel_err_vs_reference"] = ((y - y_ref).norm() / y_ref.norm()).item()
+
+    # Pieces.
+    xd = x.detach()
+    xq, xs = bq.quantize_rows(xd)
+    dq, ds = bq.quantize_rows(dy)
+    codes_t = codes.t().contiguous()
+    row["quant_x_ms"] = _bench(lambda: bq.quantize_rows(xd))
+    row["quant_dy_ms"] = _bench(lambda: bq.quantize_rows(dy))
+    row["dequant_x_ms"] = _bench(lambda: bq.dequantize_rows(xq, xs, torch.bfloat16))
+    for name in ("tma", "pointer"):
+        row[f"int8_fwd_{name}_ms"] = _bench(lambda: mm.int8_matmul_scaled(xq, codes, xs, g, torch.bfloat16, impl=name))
+        row[f"int8_dgrad_{name}_ms"] = _bench(lambda: mm.int8_matmul_scaled(dq, codes_t, ds, g, torch.bfloat16, impl=name))
+    row["int_mm_cublas_fwd_ms"] = _bench(lambda: torch._int_mm(xq, codes.t()))
+    xh = bq.dequantize_rows(xq, xs, torch.bfloat16)
+    row["bf16_wgrad_ms"] = _bench(lambda: dy.t() @ xh)
+    row["bf16_fwd_ms"] = _bench(lambda: xd @ w.detach().t())
+    flops = 2 * tokens * k * n
+    row["int8_fwd_tops"] = flops / min(row["int8_fwd_tma_ms"], row["int8_fwd_pointer_ms"]) / 1e9
+    row["bf16_fwd_tflops"] = flops / row["bf16_fwd_ms"] / 1e9
+    # Floor: two int8 GEMMs at cuBLAS's int8 rate, one bf16 GEMM at the measured bf16
+    # rate, and the quantization bytes (x: 2 B read + 1 B write; dy the same; x^: 1 B
+    # read + 2 B write) at the copy bandwidth.
+    q_bytes = 3 * tokens * k + 3 * tokens * n + 3 * tokens * k
+    floor = (2 * flops / ceil["int8_tops_cublas"] + flops / ceil["bf16_tflops"]) / 1e9 \
+        + q_bytes / ceil["copy_tbps"] / 1e9
+    row["floor_ms"] = floor
+    row["speedup"] = row["bf16_ms"] / row["bitnet_ms"]
+    row["speedup_floor"] = row["bf16_ms"] / floor
+
+    if with_torchao:
+        try:
+            from torchao import quantize_
+            from torchao.prototype.quantized_training import bitnet_training
+        except ImportError as e:
+            row["torchao_error"] = f"not importable: {e}"
+        else:
+            try:
+                lin = nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
+                quantize_(lin, bitnet_training(), set_inductor_config=False)
+                clin = torch.compile(lin)
+                def ao():
+                    clin(x).backward(dy)
+                row["torchao_ms"] = _bench(ao, [x, lin.weight])
+            except Exception as e:  # report, never hide: the row says why it is missing
+                row["torchao_error"] = f"{type(e).__name__}: {e}"[:300]
+    return row
+
+
+def allgather_bytes(flavor: str, filter_fqns=("output",)) -> dict:
+    """Per-step FSDP2 all-gather payload (all ranks' shards together) for a llama3 flavor.
+
+    Uses each weight's real fsdp_pre_all_gather on meta tensors (BitNet weights) and the
+    bf16 mixed-precision cast (every other parameter). With every block and the root
+    wrapped by fully_shard, a step gathers the blocks twice (forward, and backward after
+    reshard_after_forward) and the root's parameters (embeddings, final norm, output)
+    once, since FSDP2 keeps the root unsharded between forward and backward.
+    """
+    import titan_lowbit  # noqa: F401  (registers the 1B flavor)
+    from torchtitan.models.llama3 import llama3_args
+    from torchtitan.models.llama3.model.model import Transformer
+
+    from titan_lowbit.bitnet import convert_to_bitnet
+    from titan_lowbit.bitnet.weight import local_training_weight
+
+    class _OneRankMesh:
+        def size(self):
+            return 1
+
+    with torch.device("meta"):
+        model = Transformer(llama3_args[flavor])
+    gathers = {n: 2 if n.startswith("layers.") else 1 for n, _ in model.named_parameters()}
+    bf16 = sum(2 * p.numel() * gathers[n] for n, p in model.named_parameters())
+    convert_to_bitnet(model, list(filter_fqns))
+    conv = conv_bitnet = bf16_bitnet = 0
+    for name, p in model.named_parameters():
+        w = local_training_weight(p)
+        if w is None:
+            conv += 2 * p.numel() * gathers[name]
+            continue
+        (packed,), _ = w.fsdp_pre_all_gather(_OneRankMesh(), p.shape, p.stride(), None, None)
+        conv += packed.numel() * packed.element_size() * gathers[name]
+        conv_bitnet += packed.numel() * packed.element_size() * gathers[name]
+        bf16_bitnet += 2 * p.numel() * gathers[name]
+    return {
+        "flavor": flavor,
+        "bf16_bytes_per_step": bf16,
+        "bitnet_bytes_per_step": conv,
+        "ratio_all_params": conv / bf16,
+        "ratio_bitnet_weights": conv_bitnet / bf16_bitnet,
+    }
+
+
+def _gloo_worker(rank, port, flavor, converted, out_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    import titan_lowbit  # noqa: F401
+    from torchtitan.models.llama3 import llama3_args
+    from torchtitan.models.llama3.model.model import Transformer
+
+    from titan_lowbit.bitnet import convert_to_bitnet
+
+    args = llama3_args[flavor]
+    torch.manual_seed(0)
+    model = Transformer(args)
+    with torch.no_grad():
+        model.init_weights()
+    if converted:
+        convert_to_bitnet(model, ["output"])
+    mesh = init_device_mesh("cpu", (2,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    orig, sent = getattr(dist, name), []
+
+    def counting(output, inp, *a, **k):
+        sent.append(inp.numel() * inp.element_size())
+        return orig(output, inp, *a, **k)
+
+    setattr(dist, name, counting)
+    tokens = torch.randint(0, args.vocab_size, (1, 64))
+    model(tokens).float().mean().backward()
+    if rank == 0:
+        torch.save({"bytes_per_rank": sum(sent), "gathers": len(sent)}, out_path)
+    dist.destroy_process_group()
+
+
+def measure_gloo(flavor="debugmodel") -> dict:
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    res = {}
+    for converted in (False, True):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "r.pt")
+            mp.spawn(_gloo_worker, args=(port, flavor, converted, out), nprocs=2)
+            r = torch.load(out)
+        res["bitnet" if converted else "bf16"] = 2 * r["bytes_per_rank"]  # both ranks
+    res["ratio_all_params"] = res["bitnet"] / res["bf16"]
+    return res
+
+
+def _table(rows, ceil):
+    cols = ["shape", "bf16_ms", "bitnet_ms", "speedup", "bitnet_wq_ms", "bitnet_bf16bwd_ms",
+            "torchao_ms", "floor_ms", "speedup_floor"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        vals = []
+        for c in cols:
+            v = r.get(c, "-")
+            vals.append(f"{v:.3f}" if isinstance(v, float) else str(v))
+        lines.append("| " + " | ".join(vals) + " |")
+    pieces = ["shape", "quant_x_ms", "quant_dy_ms", "dequant_x_ms", "int8_fwd_tma_ms",
+              "int8_fwd_pointer_ms", "int_mm_cublas_fwd_ms", "int8_dgrad_tma_ms",
+              "int8_dgrad_pointer_ms", "bf16_fwd_ms", "bf16_wgrad_ms", "int8_fwd_tops",
+              "bf16_fwd_tflops", "fwd_rel_err_vs_reference"]
+    lines += ["", "| " + " | ".join(pieces) + " |", "|" + "---|" * len(pieces)]
+    for r in rows:
+        lines.append("| " + " | ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c])
+                                        for c in pieces) + " |")
+    lines.append("")
+    lines.append("ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in ceil.items()))
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES),
+                    help="comma-separated INxOUT")
+    ap.add_argument("--no-torchao", action="store_true")
+    ap.add_argument("--allgather-only", action="store_true")
+    ap.add_argument("--measure-gloo", action="store_true",
+                    help="also count real FSDP2 all-gather bytes on 2 gloo processes (debug model)")
+    ap.add_argument("--json", help="write all numbers here")
+    args = ap.parse_args()
+
+    out = {"argv": sys.argv, "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+           "torch": torch.__version__, "python": platform.python_version()}
+    try:
+        import triton
+        out["triton"] = triton.__version__
+    except ImportError:
+        out["triton"] = None
+    out["allgather"] = [allgather_bytes(f) for f in ("debugmodel", "1B", "8B")]
+    if args.measure_gloo:
+        out["allgather_measured_gloo_debugmodel"] = measure_gloo()
+    for a in out["allgather"]:
+        print(f"all-gather per step, llama3 {a['flavor']}: bf16 {a['bf16_bytes_per_step'] / 1e6:.1f} MB, "
+              f"bitnet {a['bitnet_bytes_per_step'] / 1e6:.1f} MB (x{a['ratio_all_params']:.3f} all params, "
+              f"x{a['ratio_bitnet_weights']:.4f} BitNet weights)")
+    if "allgather_measured_gloo_debugmodel" in out:
+        print("measured (gloo, debugmodel):", out["allgather_measured_gloo_debugmodel"])
+    if not args.allgather_only:
+        if not torch.cuda.is_available():
+            sys.exit("bench_bitnet.py: the linear benchmark needs a GPU (use --allgather-only on CPU)")
+        dev = torch.device("cuda")
+        out["device"] = torch.cuda.get_device_name(dev)
+        ceil = _ceilings(dev)
+        out["ceilings"] = ceil
+        rows = []
+        for spec in args.shapes.split(","):
+            k, n = (int(v) for v in spec.split("x"))
+            rows.append(_linear_rows(args.tokens, k, n, dev, ceil, not args.no_torchao))
+            print(json.dumps(rows[-1]), flush=True)
+        out["linear"] = rows
+        print(f"\ndevice {out['device']}, torch {out['torch']}, triton {out['triton']}, {out['date_utc']} UTC")
+        print(_table(rows, ceil))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
