@@ -89,6 +89,9 @@ class LowBitAdamW(torch.optim.Optimizer):
         self._order: dict[torch.Tensor, int] = {}
         self._plans: dict[tuple, list[FusedAdamW]] = {}
         self._steps: dict[torch.Tensor, int] = {}
+        # Launch shape of the fused kernel (FusedAdamW's elems_per_program, num_warps);
+        # empty = the kernel's tuned defaults. For benchmarks and tuning only.
+        self.launch_options: dict[str, int] = {}
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_format=state_format,
                         decoupled_weight_decay=decoupled_weight_decay, weight_update=weight_update,
                         block_size=block_size, min_quantized_numel=min_quantized_numel)
@@ -220,16 +223,22 @@ class LowBitAdamW(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------
     # checkpoints
     # ------------------------------------------------------------------------------------
-    @staticmethod
-    def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):
-        # torch casts floating state to the parameter's dtype; our states have their own
-        # dtypes (fp32 scales and master weights next to bf16 params), so only move them.
-        if key == "step":
-            return value
-        return value.to(device=param.device)
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
+        """Load like torch, but keep every state tensor's dtype.
+
+        ``torch.optim.Optimizer.load_state_dict`` casts floating state to the parameter's
+        dtype; our states have their own dtypes (fp32 scales and master weights next to bf16
+        parameters), so torch loads the groups and we place the state (moved, never cast).
+        """
+        saved_state = state_dict["state"]
+        super().load_state_dict({**state_dict, "state": {}})
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        by_id = dict(zip(saved_ids, params))
+        for key, st in saved_state.items():
+            p = by_id[key]
+            self.state[p] = {k: (v if k == "step" or not isinstance(v, torch.Tensor) else v.to(device=p.device))
+                             for k, v in st.items()}
         self._plans.clear()
         for gi, group in enumerate(self.param_groups):
             self._check_group(group, gi)
@@ -377,7 +386,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         plans = []
         for sel in (aligned, unaligned):
             if sel:
-                plans.append((FusedAdamW(cfg, [tensors[i] for i in sel]), sel))
+                plans.append((FusedAdamW(cfg, [tensors[i] for i in sel], **self.launch_options), sel))
         self._plans[plan_key] = plans
         for pl, sel in plans:
             pl.step([grads[i] for i in sel], hyper)

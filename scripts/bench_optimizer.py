@@ -1,0 +1,209 @@
+#!/usr/bin/env python3
+"""Optimizer-step benchmark on the TinyLlama-1.1B parameter set (one GPU).
+
+The step is memory-bound, so the yardstick is bandwidth: for each optimizer we count the
+fewest bytes a step must move per parameter (gradient read once, weight read and written,
+every state byte read and written) and divide by the measured time, then compare with a
+device-to-device copy measured in the same run.
+
+    python3 scripts/bench_optimizer.py                 # all rows, markdown table last
+    python3 scripts/bench_optimizer.py --only 8bit     # rows whose label contains '8bit'
+    python3 scripts/bench_optimizer.py --sweep         # also launch-shape variants of LowBitAdamW
+
+Weights and gradients are random (never zeros). Times: median of --steps steps after
+--warmup steps, each timed with CUDA events. State bytes: torch.cuda.memory_allocated()
+after minus before building the optimizer and running its first step (lazy optimizers
+create state there; for LowBitAdamW this includes its launch tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+
+import torch
+
+
+def tinyllama_shapes() -> list[tuple[int, ...]]:
+    """TinyLlama-1.1B: vocab 32000, dim 2048, 22 layers, 4 KV heads of 64, FFN 5632."""
+    shapes = [(32000, 2048)]  # embedding
+    for _ in range(22):
+        shapes += [(2048, 2048), (256, 2048), (256, 2048), (2048, 2048),  # q k v o
+                   (5632, 2048), (5632, 2048), (2048, 5632),  # gate up down
+                   (2048,), (2048,)]  # attention and FFN norms
+    shapes += [(2048,), (32000, 2048)]  # final norm, output
+    return shapes
+
+
+def copy_bandwidth(nbytes: int = 4 << 30, reps: int = 20) -> float:
+    """Device-to-device copy, bytes read + written per second (median of reps)."""
+    src = torch.randn(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)
+
+
+def make_params(dtype: torch.dtype, gen: torch.Generator) -> list[torch.nn.Parameter]:
+    params = []
+    for shape in tinyllama_shapes():
+        p = torch.nn.Parameter(torch.empty(shape, device="cuda", dtype=dtype))
+        p.data.normal_(0, 0.02, generator=gen)
+        p.grad = torch.empty_like(p).normal_(0, 1e-3, generator=gen)
+        params.append(p)
+    return params
+
+
+def time_steps(opt, steps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        opt.step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        opt.step()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def row_specs(args) -> list[dict]:
+    """label, builder, weight dtype, extra bytes per param the weight update adds."""
+    from titan_lowbit.optim import LowBitAdamW
+
+    specs = []
+
+    def ours(fmt, wdtype, update="nearest", **kw):
+        name = f"LowBitAdamW {fmt}"
+        if kw:
+            name += " " + ",".join(f"{k}={v}" for k, v in kw.items())
+        launch = {k: kw.pop(k) for k in ("elems", "warps") if k in kw}
+        nf = kw.pop("nonfinite_grad", "ignore")
+
+        def build(params):
+            opt = LowBitAdamW(params, lr=1e-4, weight_decay=0.1, state_format=fmt, weight_update=update,
+                              nonfinite_grad=nf, seed=0)
+            if launch:
+                opt.launch_options = dict(elems_per_program=launch.get("elems", 2048),
+                                           num_warps=launch.get("warps", 8))
+            return opt
+
+        upd = update if wdtype == torch.bfloat16 else "exact"
+        specs.append(dict(label=f"{name}", update=upd, dtype=wdtype, build=build))
+
+    for fmt in ("8bit", "4bit", "fp8", "bf16", "fp32"):
+        ours(fmt, torch.float32)
+        ours(fmt, torch.bfloat16, "stochastic")
+    ours("8bit", torch.bfloat16, "nearest")
+    ours("8bit", torch.bfloat16, "kahan")
+    ours("8bit", torch.bfloat16, "master")
+    ours("8bit", torch.float32, nonfinite_grad="raise")
+    if args.sweep:
+        for elems, warps in ((1024, 4), (2048, 4), (4096, 8), (4096, 16), (8192, 16)):
+            ours("8bit", torch.float32, elems=elems, warps=warps)
+            ours("8bit", torch.bfloat16, "stochastic", elems=elems, warps=warps)
+            ours("4bit", torch.bfloat16, "stochastic", elems=elems, warps=warps)
+
+    for wdtype in (torch.float32, torch.bfloat16):
+        specs.append(dict(label="torch AdamW fused", update="nearest" if wdtype == torch.bfloat16 else "exact",
+                          dtype=wdtype,
+                          build=lambda params: torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)))
+    if args.peers:
+        try:
+            import torchao.optim as tao
+
+            for cls in ("AdamW8bit", "AdamW4bit", "AdamWFp8"):
+                specs.append(dict(label=f"torchao {cls} (compiled)", update="exact", dtype=torch.float32,
+                                  build=lambda params, c=cls: getattr(tao, c)(params, lr=1e-4, weight_decay=0.1)))
+        except Exception as e:  # noqa: BLE001 -- a peer that cannot load is reported, not fatal
+            print(f"torchao unavailable: {type(e).__name__}: {e}", file=sys.stderr)
+        try:
+            import bitsandbytes as bnb
+
+            specs.append(dict(label="bitsandbytes AdamW8bit", update="exact", dtype=torch.float32,
+                              build=lambda params: bnb.optim.AdamW8bit(params, lr=1e-4, weight_decay=0.1)))
+        except Exception as e:  # noqa: BLE001
+            print(f"bitsandbytes unavailable: {type(e).__name__}: {e}", file=sys.stderr)
+    return [s for s in specs if not args.only or any(o in s["label"] for o in args.only)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--only", nargs="*", default=[])
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--no-peers", dest="peers", action="store_false")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_optimizer.py needs a CUDA GPU")
+
+    import triton
+
+    dev = torch.cuda.get_device_name()
+    bw = copy_bandwidth()
+    n = sum(torch.Size(s).numel() for s in tinyllama_shapes())
+    print(f"device {dev}; torch {torch.__version__}; triton {triton.__version__}; "
+          f"{n / 1e9:.3f}B params in {len(tinyllama_shapes())} tensors; copy bandwidth {bw / 1e12:.2f} TB/s",
+          flush=True)
+    rows = []
+    for spec in row_specs(args):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        params = make_params(spec["dtype"], gen)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        t0 = time.time()
+        try:
+            opt = spec["build"](params)
+            opt.step()
+            torch.cuda.synchronize()
+            state_bytes = (torch.cuda.memory_allocated() - before) / n
+            ms = time_steps(opt, args.steps, args.warmup)
+        except Exception as e:  # noqa: BLE001 -- one failing row must not hide the others
+            print(f"{spec['label']}: FAILED {type(e).__name__}: {e}", flush=True)
+            del params
+            gc.collect()
+            torch.cuda.empty_cache()
+            continue
+        wbytes = torch.finfo(spec["dtype"]).bits // 8
+        gbytes = wbytes
+        min_bytes = gbytes + 2 * wbytes + 2 * state_bytes
+        tbps = min_bytes * n / (ms / 1e3) / 1e12
+        row = dict(label=spec["label"], dtype=str(spec["dtype"]).removeprefix("torch."), update=spec["update"],
+                   min_bytes=min_bytes, ms=ms, tbps=tbps, pct=100 * tbps * 1e12 / bw, state=state_bytes,
+                   setup=time.time() - t0)
+        rows.append(row)
+        print(f"{row['label']:<55} {row['dtype']:<9} {row['update']:<10} {min_bytes:6.2f} B/param "
+              f"{ms:8.2f} ms {tbps:5.2f} TB/s {row['pct']:5.1f}% state {state_bytes:6.3f} B/param "
+              f"(setup+first step {row['setup']:.1f} s)", flush=True)
+        del opt, params
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    print()
+    print(f"Device: {dev}, torch {torch.__version__}, triton {triton.__version__}; "
+          f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write); {n / 1e9:.3f}B params")
+    print()
+    print("| optimizer | weights | bf16 update | min bytes/param | ms/step | TB/s | % of copy bw | state B/param |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['label']} | {r['dtype']} | {r['update']} | {r['min_bytes']:.2f} | {r['ms']:.2f} | "
+              f"{r['tbps']:.2f} | {r['pct']:.0f}% | {r['state']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
