@@ -1,0 +1,153 @@
+"""LowBitAdamW under FSDP2 on two gloo processes (CPU, reference path).
+
+One spawn runs every scenario and hands rank 0's results to the tests below:
+* states are DTensors with the parameter's mesh and placements (eager, before any step);
+* sharded training equals unsharded training bit for bit (the math is per element, and
+  stochastic rounding is keyed by the global element index);
+* torch.distributed.checkpoint's get/set_optimizer_state_dict round-trips into a fresh
+  optimizer before its first step, and training continues identically;
+* Shard on the last dimension that splits a quantization block is refused by name.
+"""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+WORLD = 2
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    # 70 rows: odd per-rank split is fine (35 each); 4-bit blocks of 128 along 300 columns.
+    return nn.Sequential(nn.Linear(300, 70), nn.LayerNorm(70), nn.Linear(70, 130, bias=False)).to(torch.bfloat16)
+
+
+def _worker(rank, port, out_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        results = _scenarios(rank)
+        if rank == 0:
+            torch.save(results, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def _scenarios(rank):
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from titan_lowbit.optim import LowBitAdamW
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    kw = dict(lr=1e-2, weight_decay=0.1, state_format="4bit", weight_update="stochastic",
+              min_quantized_numel=1000, seed=3)
+    res = {}
+
+    def sharded_model():
+        m = _model()
+        for mod in m:
+            if isinstance(mod, nn.Linear):
+                fully_shard(mod, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        return m
+
+    def train(model, opt, xs):
+        for x in xs:
+            opt.zero_grad()
+            model(x).float().square().mean().backward()
+            opt.step()
+
+    torch.manual_seed(1)
+    xs = [torch.randn(4, 300).to(torch.bfloat16) for _ in range(6)]
+    ref = _model()
+    opt_r = LowBitAdamW(list(ref.named_parameters()), **kw)
+    sh = sharded_model()
+    opt_s = LowBitAdamW(list(sh.named_parameters()), **kw)
+
+    res["placements"] = {
+        name: (str(p.placements), {k: (type(v).__name__, str(getattr(v, "placements", None)),
+                                        tuple(v.shape), tuple(v._local_tensor.shape) if isinstance(v, DTensor) else None)
+                                   for k, v in opt_s.state[p].items()})
+        for name, p in sh.named_parameters()}
+
+    train(ref, opt_r, xs[:3])
+    train(sh, opt_s, xs[:3])
+    res["max_diff_after_3"] = max((ps.full_tensor().float() - pr.float()).abs().max().item()
+                                  for ps, pr in zip(sh.parameters(), ref.parameters()))
+
+    # Checkpoint through DCP's state-dict API and load into a fresh optimizer before its first step.
+    osd = get_optimizer_state_dict(sh, opt_s)
+    res["osd_types"] = sorted({type(v).__name__ for st in osd["state"].values() for v in st.values()})
+    fresh = LowBitAdamW(list(sh.named_parameters()), **kw)
+    set_optimizer_state_dict(sh, fresh, optim_state_dict=osd)
+    train(ref, opt_r, xs[3:])
+    train(sh, fresh, xs[3:])
+    res["max_diff_after_resume"] = max((ps.full_tensor().float() - pr.float()).abs().max().item()
+                                       for ps, pr in zip(sh.parameters(), ref.parameters()))
+    res["state_equal_after_resume"] = all(
+        torch.equal(fresh.state[ps][k].full_tensor() if isinstance(fresh.state[ps][k], DTensor) else fresh.state[ps][k],
+                    opt_r.state[pr][k])
+        for ps, pr in zip(sh.parameters(), ref.parameters()) for k in opt_r.state[pr])
+
+    # Column-sharded parameter whose shards would split 8-bit blocks of 256.
+    w = nn.Parameter(distribute_tensor(torch.randn(8, 768), mesh, [Shard(1)]))
+    try:
+        LowBitAdamW([("tp.w", w)], state_format="8bit", min_quantized_numel=0)
+        res["col_shard_error"] = None
+    except ValueError as e:
+        res["col_shard_error"] = str(e)
+    ok = nn.Parameter(distribute_tensor(torch.randn(8, 1024), mesh, [Shard(1)]))
+    opt_ok = LowBitAdamW([("tp.ok", ok)], state_format="8bit", min_quantized_numel=0)
+    res["col_shard_state"] = (str(opt_ok.state[ok]["exp_avg_absmax"].placements),
+                              tuple(opt_ok.state[ok]["exp_avg_absmax"]._local_tensor.shape))
+    return res
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("optim_fsdp") / "results.pt"
+    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    return torch.load(out, weights_only=False)
+
+
+def test_states_are_dtensors_with_param_placements(results):
+    pl = results["placements"]
+    w = pl["0.weight"]
+    assert w[0] == "(Shard(dim=0),)"
+    for key in ("exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes", "exp_avg_sq_absmax"):
+        kind, placements, gshape, lshape = w[1][key]
+        assert kind == "DTensor" and placements == "(Shard(dim=0),)"
+        assert lshape[0] == 35 and gshape[0] == 70
+    assert w[1]["exp_avg_codes"][2] == (70, 150) and w[1]["exp_avg_absmax"][2] == (70, 3)
+    assert pl["1.weight"][1]["exp_avg"][0] == "DTensor"  # small: fp32 state, still sharded
+    assert pl["0.weight"][1]["step"][0] == "Tensor"
+
+
+def test_sharded_training_equals_unsharded(results):
+    assert results["max_diff_after_3"] == 0.0
+
+
+def test_dcp_round_trip_before_first_step_resumes_identically(results):
+    assert "DTensor" in results["osd_types"]
+    assert results["max_diff_after_resume"] == 0.0
+    assert results["state_equal_after_resume"]
+
+
+def test_last_dim_shard_splitting_blocks_is_refused(results):
+    err = results["col_shard_error"]
+    assert err is not None and "'tp.w'" in err and "block_size=128" in err
+    assert results["col_shard_state"] == ("(Shard(dim=1),)", (8, 2))
