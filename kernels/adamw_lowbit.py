@@ -242,50 +242,62 @@ def _encode(x, tab, CODEC: tl.constexpr):
 
 
 @triton.jit
-def _load_state(base, off, sbase, soff, tab, row, cb, col, qb, nblocks, cols, code_row, emask,
-                CODEC: tl.constexpr, QBLOCK: tl.constexpr):
-    """Load one moment of a tile as fp32 [NB, QBLOCK] (plain, or codes dequantized)."""
-    if CODEC == _K_CODEC_NONE:
-        return tl.load(base + off + row[:, None] * code_row + col, mask=emask, other=0.0).to(tl.float32)
+def _ld(ptr, mask, EVEN: tl.constexpr):
+    """Load, unmasked when the launch holds only whole tiles (EVEN)."""
+    if EVEN:
+        return tl.load(ptr)
     else:
-        bmask = qb < nblocks
-        absmax = tl.load(sbase + soff + qb, mask=bmask, other=0.0)
+        return tl.load(ptr, mask=mask, other=0)
+
+
+@triton.jit
+def _st(ptr, val, mask, EVEN: tl.constexpr):
+    if EVEN:
+        tl.store(ptr, val)
+    else:
+        tl.store(ptr, val, mask=mask)
+
+
+@triton.jit
+def _load_state(base, sbase, soff, tab, eptr_off, cptr_off, bidx, bmask, emask, cmask,
+                CODEC: tl.constexpr, QBLOCK: tl.constexpr, EVEN: tl.constexpr):
+    """Load one moment of a tile as fp32 [NB, QBLOCK] (plain, or codes dequantized).
+
+    eptr_off: element offsets [NB, QBLOCK]; cptr_off: code-byte offsets (4-bit: [NB, QBLOCK/2]).
+    """
+    if CODEC == _K_CODEC_NONE:
+        return _ld(base + eptr_off, emask, EVEN).to(tl.float32)
+    else:
+        absmax = _ld(sbase + soff + bidx, bmask, EVEN)
         if CODEC == _K_CODEC_DYN4_SIGNED or CODEC == _K_CODEC_LIN4_NOZERO:
-            half: tl.constexpr = QBLOCK // 2
-            byte = cb[:, None] * half + tl.arange(0, half)[None, :]
-            bm = bmask[:, None] & (byte < (cols + 1) // 2)
-            packed = tl.load(base + off + row[:, None] * code_row + byte, mask=bm, other=0).to(tl.int32)
+            packed = _ld(base + cptr_off, cmask, EVEN).to(tl.int32)
             codes = tl.interleave(packed & 15, packed >> 4)
         else:
-            codes = tl.load(base + off + row[:, None] * code_row + col, mask=emask, other=0)
+            codes = _ld(base + cptr_off, emask, EVEN)
         return _decode(codes, tab, CODEC) * absmax[:, None]
 
 
 @triton.jit
-def _store_state(x, base, off, sbase, soff, tab, row, cb, col, qb, nblocks, cols, code_row, emask,
-                 CODEC: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr):
+def _store_state(x, base, sbase, soff, tab, eptr_off, cptr_off, bidx, bmask, emask, cmask,
+                 CODEC: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, EVEN: tl.constexpr):
     """Store one moment of a tile: plain, or re-quantized with each block's new absmax."""
     if CODEC == _K_CODEC_NONE:
-        ptr = base + off + row[:, None] * code_row + col
-        if ptr.dtype.element_ty == tl.bfloat16:
-            tl.store(ptr, _bf16_rne(x), mask=emask)
+        if base.dtype.element_ty == tl.bfloat16:
+            _st(base + eptr_off, _bf16_rne(x), emask, EVEN)
         else:
-            tl.store(ptr, x, mask=emask)
+            _st(base + eptr_off, x, emask, EVEN)
     else:
-        bmask = qb < nblocks
-        x = tl.where(emask, x, 0.0)
+        if not EVEN:
+            x = tl.where(emask, x, 0.0)
         absmax = tl.max(tl.abs(x), axis=1)
         inv = tl.div_rn(tl.full(absmax.shape, 1.0, tl.float32), tl.where(absmax > 0, absmax, 1.0))
         codes = _encode(x * inv[:, None], tab, CODEC)
-        tl.store(sbase + soff + qb, absmax, mask=bmask)
+        _st(sbase + soff + bidx, absmax, bmask, EVEN)
         if CODEC == _K_CODEC_DYN4_SIGNED or CODEC == _K_CODEC_LIN4_NOZERO:
-            half: tl.constexpr = QBLOCK // 2
-            lo, hi = tl.split(tl.reshape(codes, [NB, half, 2]))
-            byte = cb[:, None] * half + tl.arange(0, half)[None, :]
-            bm = bmask[:, None] & (byte < (cols + 1) // 2)
-            tl.store(base + off + row[:, None] * code_row + byte, (lo | (hi << 4)).to(tl.uint8), mask=bm)
+            lo, hi = tl.split(tl.reshape(codes, [NB, QBLOCK // 2, 2]))
+            _st(base + cptr_off, (lo | (hi << 4)).to(tl.uint8), cmask, EVEN)
         else:
-            tl.store(base + off + row[:, None] * code_row + col, codes.to(tl.uint8), mask=emask)
+            _st(base + cptr_off, codes.to(tl.uint8), emask, EVEN)
 
 
 @triton.jit
@@ -303,27 +315,41 @@ def _adamw_lowbit_kernel(
     p_base, g_base, m_base, v_base, ms_base, vs_base, x_base,
     lr_value, inv_bc1, inv_sqrt_bc2, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, wd, skey,
     M_CODEC: tl.constexpr, V_CODEC: tl.constexpr, UPDATE: tl.constexpr,
-    DECOUPLED: tl.constexpr, LR_IS_TENSOR: tl.constexpr, ALIGNED: tl.constexpr,
+    DECOUPLED: tl.constexpr, LR_IS_TENSOR: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
     QBLOCK: tl.constexpr, NB: tl.constexpr,
 ):
     # Buffers are addressed as base pointer (a kernel argument, so the compiler knows its
     # alignment) + per-tensor element offset from the metadata table (+ hint when ALIGNED):
-    # that is what lets Triton emit 16-byte vector loads for tensors it only sees through a table.
+    # that is what lets Triton emit 16-byte vector loads for tensors it only sees through a
+    # table. EVEN launches hold only whole tiles of whole blocks: no masks at all.
     pid = tl.program_id(0)
-    slot = tl.load(tiles_ptr + 2 * pid).to(tl.int64)
-    q0 = tl.load(tiles_ptr + 2 * pid + 1).to(tl.int64)
-    meta = meta_ptr + slot * _K_META_STRIDE
+    slot = tl.load(tiles_ptr + 2 * pid)
+    q0 = tl.load(tiles_ptr + 2 * pid + 1)
+    meta = meta_ptr + slot.to(tl.int64) * _K_META_STRIDE
     cols = _meta_offset(meta, _K_META_COLS, ALIGNED)
     code_row = _meta_offset(meta, _K_META_CODE_ROW, ALIGNED)
-    bpr = tl.load(meta + _K_META_BPR)
-    nblocks = tl.load(meta + _K_META_NBLOCKS)
+    bpr = tl.load(meta + _K_META_BPR).to(tl.int32)
+    nblocks = tl.load(meta + _K_META_NBLOCKS).to(tl.int32)
 
-    qb = q0 + tl.arange(0, NB).to(tl.int64)
-    row = qb // bpr
-    cb = qb - row * bpr
-    col = cb[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
-    emask = (qb < nblocks)[:, None] & (col < cols)
-    eoff = row[:, None] * cols + col
+    # block index -> (row, block in row); offsets of each block's first element and code byte
+    PACKED: tl.constexpr = M_CODEC == _K_CODEC_DYN4_SIGNED or M_CODEC == _K_CODEC_LIN4_NOZERO
+    CBLOCK: tl.constexpr = QBLOCK // 2 if PACKED else QBLOCK
+    bidx = q0 + tl.arange(0, NB)
+    row = bidx // bpr
+    cb = bidx - row * bpr
+    row64 = row.to(tl.int64)
+    e_start = row64 * cols + cb * QBLOCK
+    c_start = row64 * code_row + cb * CBLOCK
+    if ALIGNED:
+        e_start = tl.multiple_of(e_start, 16)
+        c_start = tl.multiple_of(c_start, 16)
+    lane = tl.arange(0, QBLOCK)[None, :]
+    eoff = e_start[:, None] + lane
+    coff = c_start[:, None] + tl.arange(0, CBLOCK)[None, :]
+    bmask = bidx < nblocks
+    col = cb[:, None] * QBLOCK + lane
+    emask = bmask[:, None] & (col < cols)
+    cmask = bmask[:, None] & ((cb[:, None] * CBLOCK + tl.arange(0, CBLOCK)[None, :]) < (cols + 1) // 2)
 
     if LR_IS_TENSOR:
         lr = tl.load(lr_ptr).to(tl.float32)
@@ -337,12 +363,12 @@ def _adamw_lowbit_kernel(
     g_off = tl.load(grad_offsets_ptr + slot)
     if ALIGNED:
         g_off = tl.multiple_of(g_off, 16)
-    g = tl.load(g_base + g_off + eoff, mask=emask, other=0.0).to(tl.float32)
-    p_stored = tl.load(pptr, mask=emask, other=0.0).to(tl.float32)
+    g = _ld(g_base + g_off + eoff, emask, EVEN).to(tl.float32)
+    p_stored = _ld(pptr, emask, EVEN).to(tl.float32)
     xptr = x_base + _meta_offset(meta, _K_META_EXTRA, ALIGNED) + eoff
 
     if UPDATE == _K_UPDATE_MASTER and PARAM_BF16:
-        p = tl.load(xptr, mask=emask, other=0.0)
+        p = _ld(xptr, emask, EVEN)
     else:
         p = p_stored
 
@@ -352,46 +378,45 @@ def _adamw_lowbit_kernel(
     v_off = _meta_offset(meta, _K_META_V, ALIGNED)
     ms_off = tl.load(meta + _K_META_MSCALE)
     vs_off = tl.load(meta + _K_META_VSCALE)
-    m = _load_state(m_base, m_off, ms_base, ms_off, tab_m, row, cb, col, qb, nblocks, cols, code_row,
-                    emask, M_CODEC, QBLOCK)
-    v = _load_state(v_base, v_off, vs_base, vs_off, tab_v, row, cb, col, qb, nblocks, cols, code_row,
-                    emask, V_CODEC, QBLOCK)
+    m_base = m_base + m_off
+    v_base = v_base + v_off
+    m = _load_state(m_base, ms_base, ms_off, tab_m, eoff, coff, bidx, bmask, emask, cmask, M_CODEC, QBLOCK, EVEN)
+    v = _load_state(v_base, vs_base, vs_off, tab_v, eoff, coff, bidx, bmask, emask, cmask, V_CODEC, QBLOCK, EVEN)
 
     # ---- AdamW, fp32 -------------------------------------------------------------------
     if not DECOUPLED:
         g = g + wd * p
     m = beta1 * m + one_minus_beta1 * g
     v = beta2 * v + one_minus_beta2 * (g * g)
-    denom = tl.sqrt_rn(v) * inv_sqrt_bc2 + eps
-    upd = step_size * tl.div_rn(m, denom)
+    denom = tl.sqrt(v) * inv_sqrt_bc2 + eps
+    upd = step_size * (m / denom)
     if DECOUPLED:
         p_new = p * decay - upd
     else:
         p_new = p - upd
 
-    _store_state(m, m_base, m_off, ms_base, ms_off, tab_m, row, cb, col, qb, nblocks, cols, code_row,
-                 emask, M_CODEC, NB, QBLOCK)
-    _store_state(v, v_base, v_off, vs_base, vs_off, tab_v, row, cb, col, qb, nblocks, cols, code_row,
-                 emask, V_CODEC, NB, QBLOCK)
+    _store_state(m, m_base, ms_base, ms_off, tab_m, eoff, coff, bidx, bmask, emask, cmask, M_CODEC, NB, QBLOCK, EVEN)
+    _store_state(v, v_base, vs_base, vs_off, tab_v, eoff, coff, bidx, bmask, emask, cmask, V_CODEC, NB, QBLOCK, EVEN)
 
     # ---- weight write ------------------------------------------------------------------
     if not PARAM_BF16:
-        tl.store(pptr, p_new, mask=emask)
+        _st(pptr, p_new, emask, EVEN)
     elif UPDATE == _K_UPDATE_NEAREST:
-        tl.store(pptr, _bf16_rne(p_new), mask=emask)
+        _st(pptr, _bf16_rne(p_new), emask, EVEN)
     elif UPDATE == _K_UPDATE_STOCHASTIC:
-        gidx = tl.load(meta + _K_META_SR_BASE) + row[:, None] * tl.load(meta + _K_META_SR_ROW) + col
+        g_start = tl.load(meta + _K_META_SR_BASE) + row64 * tl.load(meta + _K_META_SR_ROW) + cb * QBLOCK
+        gidx = g_start[:, None] + lane
         tkey = tl.load(meta + _K_META_SR_KEY).to(tl.uint32)
-        tl.store(pptr, _bf16_stochastic(p_new, gidx, tkey, skey.to(tl.uint32)), mask=emask)
+        _st(pptr, _bf16_stochastic(p_new, gidx, tkey, skey.to(tl.uint32)), emask, EVEN)
     elif UPDATE == _K_UPDATE_KAHAN:
-        c = tl.load(xptr, mask=emask, other=0.0).to(tl.float32)
+        c = _ld(xptr, emask, EVEN).to(tl.float32)
         s = (p_new - p) + c
         p_b = _bf16_rne(p + s)
-        tl.store(pptr, p_b, mask=emask)
-        tl.store(xptr, _bf16_rne(s - (p_b.to(tl.float32) - p)), mask=emask)
+        _st(pptr, p_b, emask, EVEN)
+        _st(xptr, _bf16_rne(s - (p_b.to(tl.float32) - p)), emask, EVEN)
     else:  # MASTER
-        tl.store(xptr, p_new, mask=emask)
-        tl.store(pptr, _bf16_rne(p_new), mask=emask)
+        _st(xptr, p_new, emask, EVEN)
+        _st(pptr, _bf16_rne(p_new), emask, EVEN)
 
 
 # ----------------------------------------------------------------------------------------
@@ -512,6 +537,7 @@ class FusedAdamW:
                 raise ValueError(f"tensor of {t.rows}x{t.cols} has too many blocks for int32 tile indices")
             tiles.extend((slot, q0) for q0 in range(0, nblocks, self.nb))
         self.aligned = aligned
+        self.even = all(self.is_even(cfg, t, self.nb) for t in tensors)
         self.meta = meta.to(self.device)
         self.tiles = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 2).to(self.device)
         self.n_programs = len(tiles)
@@ -527,6 +553,21 @@ class FusedAdamW:
         crow = code_row_elems(cfg, t.cols) if cfg.m_codec != CODEC_NONE else t.cols
         bufs = (t.param, t.exp_avg, t.exp_avg_sq, t.extra, grad)
         return t.cols % 16 == 0 and crow % 16 == 0 and all(x is None or x.data_ptr() % 64 == 0 for x in bufs)
+
+    @staticmethod
+    def is_even(cfg: AdamWConfig, t: AdamWTensor, nb: int) -> bool:
+        """Whether a tensor splits into whole tiles of whole blocks (no masking needed)."""
+        nblocks = t.rows * -(-t.cols // cfg.block)
+        packed_even = cfg.m_codec not in (CODEC_DYN4_SIGNED, CODEC_LIN4_NOZERO) or t.cols % 2 == 0
+        return t.cols % cfg.block == 0 and nblocks % nb == 0 and packed_even
+
+    @classmethod
+    def variant(cls, cfg: AdamWConfig, t: AdamWTensor, grad: Optional[torch.Tensor] = None,
+                elems_per_program: int = DEFAULT_ELEMS_PER_PROGRAM) -> tuple[bool, bool]:
+        """(aligned, even): the compile-time variant a tensor can join. Callers split a
+        family by variant so that one ragged tensor does not slow down all the others."""
+        nb = max(1, elems_per_program // cfg.block)
+        return cls.is_aligned(cfg, t, grad), cls.is_even(cfg, t, nb)
 
     def _upload_grads(self, grads: Sequence[torch.Tensor]) -> None:
         ptrs = [g.data_ptr() for g in grads]
@@ -561,5 +602,5 @@ class FusedAdamW:
             s["beta2"], s["one_minus_beta2"], s["eps"], s["wd"], s["skey"],
             M_CODEC=cfg.m_codec, V_CODEC=cfg.v_codec, UPDATE=cfg.weight_update,
             DECOUPLED=cfg.decoupled, LR_IS_TENSOR=lr_is_tensor,
-            ALIGNED=self.aligned, QBLOCK=cfg.block, NB=self.nb, num_warps=self.num_warps,
+            ALIGNED=self.aligned, EVEN=self.even, QBLOCK=cfg.block, NB=self.nb, num_warps=self.num_warps,
         )

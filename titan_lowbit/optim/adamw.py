@@ -17,6 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from titan_lowbit.kernels.adamw_lowbit import (
+    DEFAULT_ELEMS_PER_PROGRAM,
     UPDATE_NEAREST,
     WEIGHT_UPDATES,
     AdamWConfig,
@@ -380,13 +381,12 @@ class LowBitAdamW(torch.optim.Optimizer):
                 pl.step([grads[i] for i in sel], hyper)
             return
         tensors = [self._kernel_tensor(p, cfg) for p in params]
-        aligned, unaligned = [], []
+        variants: dict[tuple[bool, bool], list[int]] = {}
+        elems = self.launch_options.get("elems_per_program", DEFAULT_ELEMS_PER_PROGRAM)
         for i, t in enumerate(tensors):
-            (aligned if FusedAdamW.is_aligned(cfg, t, grads[i]) else unaligned).append(i)
-        plans = []
-        for sel in (aligned, unaligned):
-            if sel:
-                plans.append((FusedAdamW(cfg, [tensors[i] for i in sel], **self.launch_options), sel))
+            variants.setdefault(FusedAdamW.variant(cfg, t, grads[i], elems), []).append(i)
+        plans = [(FusedAdamW(cfg, [tensors[i] for i in sel], **self.launch_options), sel)
+                 for sel in variants.values()]
         self._plans[plan_key] = plans
         for pl, sel in plans:
             pl.step([grads[i] for i in sel], hyper)
