@@ -47,7 +47,9 @@ def _configs(tma: bool) -> list[triton.Config]:
                       num_warps=warps, num_stages=stages, pre_hook=hook)
         for bm, bn, bk, warps, stages in (
             (128, 256, 128, 8, 3),
+            (128, 256, 128, 8, 4),
             (256, 128, 128, 8, 3),
+            (256, 128, 128, 8, 4),
             (128, 128, 128, 4, 4),
             (128, 128, 128, 8, 4),
             (128, 256, 64, 8, 4),

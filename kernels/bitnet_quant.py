@@ -3,21 +3,26 @@
 Math (arXiv 2402.17764, "BitNet b1.58"), with EPS = 1e-5:
 
     activations, one scale per row m (row-wise abs-max, 8 bits):
-        s[m]    = max(max_k |x[m, k]|, EPS) / 127              (correctly rounded fp32 division)
-        q[m, k] = clamp(floor(x[m, k] / s[m] + 0.5), -127, 127)  (int8; x ~= q * s)
+        s[m]    = max(max_k |x[m, k]|, EPS) / 127               (correctly rounded fp32 divisions)
+        r[m]    = 1 / s[m]
+        q[m, k] = clamp(floor(x[m, k] * r[m] + 0.5), -127, 127)  (int8; x ~= q * s)
 
     weights, one scale per tensor (abs-mean, ternary):
-        g       = max(sum |W| / numel(W), EPS)                  (computed by the caller: under
-                                                                 FSDP the sum spans all shards)
-        t[n, k] = clamp(floor(W[n, k] / g + 0.5), -1, 1)        (int8 in {-1, 0, +1}; W ~= t * g)
+        g       = max(sum |W| / numel(W), EPS)                   (computed by the caller: under
+                                                                  FSDP the sum spans all shards)
+        t[n, k] = clamp(floor(W[n, k] * (1 / g) + 0.5), -1, 1)   (int8 in {-1, 0, +1}; W ~= t * g)
 
     2-bit packing of ternary values, four per byte along the last dimension:
         code = t + 1 in {0, 1, 2};  byte[n, j] = sum_{i<4} code[n, 4j + i] << (2 i)
         columns past the end of a row pack as t = 0 (code 1) and are dropped on unpacking.
 
-Both the kernels and the references divide (never multiply by a reciprocal) and round
-half up with floor(v + 0.5): a division cannot be contracted into a fused multiply-add,
-so the GPU kernels and the CPU references give bit-identical codes.
+Rounding is half up, floor(v + 0.5) (BitNet's reference code rounds half to even; the two
+differ only on exact ties). The scales are correctly rounded on both sides, so the
+interpreter reproduces the references bit for bit. On the GPU the compiler may fuse
+x * r + 0.5 into one fused multiply-add (one rounding instead of two), so a code can
+differ by one where x * r lies within an ulp of a rounding boundary; the GPU tests allow
+that for a tiny fraction of elements. Multiplying by the per-row reciprocal instead of
+dividing every element keeps the kernels memory-bound.
 """
 
 from __future__ import annotations
@@ -70,8 +75,8 @@ def _quantize_rows_kernel(
         x = tl.load(x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(x), axis=1)
         scale = tl.math.div_rn(tl.maximum(amax, EPS_C), tl.full(amax.shape, QMAX_C, tl.float32))
-        v = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-        q = tl.minimum(tl.maximum(tl.floor(v + 0.5), -QMAX_C), QMAX_C)
+        recip = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
+        q = tl.minimum(tl.maximum(tl.floor(x * recip[:, None] + 0.5), -QMAX_C), QMAX_C)
         tl.store(q_row + cols[None, :], q.to(tl.int8), mask=mask)
     else:
         amax = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -80,11 +85,11 @@ def _quantize_rows_kernel(
             x = tl.load(x_row + (k0 + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
         scale = tl.math.div_rn(tl.maximum(amax, EPS_C), tl.full(amax.shape, QMAX_C, tl.float32))
+        recip = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
         for k0 in range(0, K, BLOCK_K):
             mask = row_ok[:, None] & ((k0 + cols)[None, :] < K)
             x = tl.load(x_row + (k0 + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
-            v = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-            q = tl.minimum(tl.maximum(tl.floor(v + 0.5), -QMAX_C), QMAX_C)
+            q = tl.minimum(tl.maximum(tl.floor(x * recip[:, None] + 0.5), -QMAX_C), QMAX_C)
             tl.store(q_row + (k0 + cols)[None, :], q.to(tl.int8), mask=mask)
     tl.store(scale_ptr + rows, scale, mask=row_ok)
 
@@ -127,8 +132,11 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     check_float_input("quantize_rows input", x)
     xf = x.float()
     amax = xf.abs().amax(dim=1) if x.shape[1] else torch.zeros(x.shape[0], device=x.device)
-    scale = amax.clamp_min(EPS) / QMAX
-    q = torch.floor(xf / scale[:, None] + 0.5).clamp_(-QMAX, QMAX).to(torch.int8)
+    # Tensor / tensor: an IEEE division on every device (torch turns "/ scalar" into a
+    # multiplication by the scalar's reciprocal on CUDA).
+    scale = amax.clamp_min(EPS) / torch.full_like(amax, QMAX)
+    recip = torch.ones_like(scale) / scale
+    q = torch.floor(xf * recip[:, None] + 0.5).clamp_(-QMAX, QMAX).to(torch.int8)
     return q, scale
 
 
@@ -198,20 +206,21 @@ def _ternarize_kernel(
     row_ok = (rows < R)[:, None]
     r64 = rows.to(tl.int64)[:, None]
     g = tl.load(scale_ptr)
+    recip = tl.math.div_rn(1.0, g)
     if PACK:
         packed = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int32)
         for i in tl.static_range(4):
             c = ocols * 4 + i
             m = row_ok & (c < C)[None, :]
             w = tl.load(w_ptr + r64 * stride_wr + c[None, :], mask=m, other=0.0).to(tl.float32)
-            t = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(w, tl.broadcast_to(g, w.shape)) + 0.5), -1.0), 1.0)
+            t = tl.minimum(tl.maximum(tl.floor(w * recip + 0.5), -1.0), 1.0)
             packed = packed | ((t.to(tl.int32) + 1) << (2 * i))
         m = row_ok & (ocols < tl.cdiv(C, 4))[None, :]
         tl.store(out_ptr + r64 * stride_or + ocols[None, :], packed.to(tl.uint8), mask=m)
     else:
         m = row_ok & (ocols < C)[None, :]
         w = tl.load(w_ptr + r64 * stride_wr + ocols[None, :], mask=m, other=0.0).to(tl.float32)
-        t = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(w, tl.broadcast_to(g, w.shape)) + 0.5), -1.0), 1.0)
+        t = tl.minimum(tl.maximum(tl.floor(w * recip + 0.5), -1.0), 1.0)
         tl.store(out_ptr + r64 * stride_or + ocols[None, :], t.to(tl.int8), mask=m)
 
 
@@ -251,7 +260,8 @@ def ternarize_reference(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     _check_2d("ternarize weight", w)
     check_float_input("ternarize weight", w)
     _check_scale(scale, w)
-    return torch.floor(w.float() / scale + 0.5).clamp_(-1, 1).to(torch.int8)
+    recip = torch.ones_like(scale) / scale
+    return torch.floor(w.float() * recip + 0.5).clamp_(-1, 1).to(torch.int8)
 
 
 def pack_ternary_reference(t: torch.Tensor) -> torch.Tensor:

@@ -235,9 +235,14 @@ def test_optimizer_step_and_state_dict_keep_the_subclass(tmp_path):
     assert isinstance(model.proj.weight, BitNetTrainingWeight)
     assert not torch.equal(model.proj.weight._data, before)
     assert type(opt.state[model.proj.weight]["exp_avg"]) is torch.Tensor
-    torch.save(model.state_dict(), tmp_path / "sd.pt")
+    sd = model.state_dict()
+    assert type(sd["proj.weight"]) is torch.Tensor  # checkpoints hold plain tensors
+    torch.save(sd, tmp_path / "sd.pt")
     fresh = _Toy()
     convert_to_bitnet(fresh, ["output"])
-    fresh.load_state_dict(torch.load(tmp_path / "sd.pt", weights_only=False))
+    fresh.load_state_dict(torch.load(tmp_path / "sd.pt", weights_only=True))
     assert isinstance(fresh.proj.weight, BitNetTrainingWeight)
     assert torch.equal(fresh.proj.weight._data, model.proj.weight._data)
+    plain = _Toy()  # a BitNet checkpoint loads into the unconverted model too
+    plain.load_state_dict(torch.load(tmp_path / "sd.pt", weights_only=True))
+    assert torch.equal(plain.proj.weight, model.proj.weight._data)

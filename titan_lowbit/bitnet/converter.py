@@ -20,7 +20,11 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from titan_lowbit.bitnet.weight import BitNetTrainingWeight, precompute_scales
+from titan_lowbit.bitnet.weight import (
+    BitNetTrainingWeight,
+    plain_weight_state_dict_hook,
+    precompute_scales,
+)
 from titan_lowbit.kernels.bitnet_quant import SUPPORTED_FLOAT_DTYPES
 
 # The int8 tensor-core tile is 16 deep; a linear with fewer inputs or outputs is mostly
@@ -49,7 +53,8 @@ def convert_to_bitnet(model: nn.Module, filter_fqns=DEFAULT_FILTER,
     """Swap the weights of the model's nn.Linear layers for BitNet training weights.
 
     A layer is skipped when its FQN contains any fragment of ``filter_fqns``. Embeddings
-    and every non-Linear module are never touched. Returns the converted FQNs.
+    and every non-Linear module are never touched. State dicts keep plain tensors
+    (``plain_weight_state_dict_hook``). Returns the converted FQNs.
     """
     filter_fqns = list(filter_fqns)
     _check_filter(model, filter_fqns)
@@ -76,6 +81,7 @@ def convert_to_bitnet(model: nn.Module, filter_fqns=DEFAULT_FILTER,
             )
         mod.weight = nn.Parameter(BitNetTrainingWeight(w.detach(), int8_backward),
                                   requires_grad=w.requires_grad)
+        mod.register_state_dict_post_hook(plain_weight_state_dict_hook)
         converted.append(name)
     if not converted:
         raise ValueError(

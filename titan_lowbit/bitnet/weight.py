@@ -32,6 +32,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from titan_lowbit.bitnet import ops
@@ -220,9 +221,26 @@ def _shard_group(mesh):
     return mesh.get_group()
 
 
+def plain_weight_state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
+    """state_dict post-hook of a BitNet linear: store the latent weight as a plain tensor.
+
+    Checkpoints (torch.save, torch.distributed.checkpoint) then hold ordinary tensors
+    (DTensors of ordinary tensors under FSDP2): they need no titan_lowbit class to load,
+    and one trained with BitNet loads into a model with or without the converter. The
+    plain tensor aliases the latent weight, so DCP's in-place load writes straight into it.
+    """
+    key = prefix + "weight"
+    t = state_dict.get(key)
+    if isinstance(t, DTensor) and isinstance(t._local_tensor, BitNetTrainingWeight):
+        state_dict[key] = DTensor.from_local(t._local_tensor._data, t.device_mesh, t.placements,
+                                             run_check=False, shape=t.shape, stride=t.stride())
+    elif isinstance(t, BitNetTrainingWeight):
+        state_dict[key] = t._data
+
+
 def local_training_weight(p: torch.Tensor) -> BitNetTrainingWeight | None:
     """The BitNetTrainingWeight behind a parameter (plain or DTensor), or None."""
-    local = p._local_tensor if isinstance(p, torch.distributed.tensor.DTensor) else p
+    local = p._local_tensor if isinstance(p, DTensor) else p
     return local if isinstance(local, BitNetTrainingWeight) else None
 
 
@@ -237,7 +255,7 @@ def precompute_scales(params: Iterable[torch.Tensor]) -> int:
     by_group: dict[Any, list[tuple[BitNetTrainingWeight, int]]] = defaultdict(list)
     for p in params:
         local = local_training_weight(p)
-        if local is None or not isinstance(p, torch.distributed.tensor.DTensor):
+        if local is None or not isinstance(p, DTensor):
             continue
         shard_dims = [i for i, pl in enumerate(p.placements) if pl.is_shard()]
         if len(shard_dims) != 1:
