@@ -48,6 +48,7 @@ from .quant_maps import (
     CODEC_FP8_E4M3,
     CODEC_LIN4_NOZERO,
     CODEC_NONE,
+    TABLE_LUT,
     TABLE_SIZE,
     TABLE_STRIDE,
     codec_tables,
@@ -70,6 +71,13 @@ META_STRIDE = 16
 # Elements one program handles (several quantization blocks); tuned on an H100.
 DEFAULT_ELEMS_PER_PROGRAM = 2048
 DEFAULT_NUM_WARPS = 8
+# Decode dynamic-tree codes by table lookup (True) or arithmetic (False): same values.
+DEFAULT_DECODE_LUT = False
+
+
+def interpreting() -> bool:
+    """Whether the kernel runs under TRITON_INTERPRET (decided when it was decorated)."""
+    return type(_adamw_lowbit_kernel).__name__ == "InterpretedFunction"
 
 
 
@@ -82,6 +90,7 @@ _K_CODEC_LIN4_NOZERO = tl.constexpr(CODEC_LIN4_NOZERO)
 _K_CODEC_NONE = tl.constexpr(CODEC_NONE)
 _K_TABLE_SIZE = tl.constexpr(TABLE_SIZE)
 _K_TABLE_STRIDE = tl.constexpr(TABLE_STRIDE)
+_K_TABLE_LUT = tl.constexpr(TABLE_LUT)
 _K_UPDATE_NEAREST = tl.constexpr(UPDATE_NEAREST)
 _K_UPDATE_STOCHASTIC = tl.constexpr(UPDATE_STOCHASTIC)
 _K_UPDATE_KAHAN = tl.constexpr(UPDATE_KAHAN)
@@ -106,8 +115,11 @@ _K_META_STRIDE = tl.constexpr(META_STRIDE)
 # Small device helpers (each has a twin in adamw_lowbit_ref.py)
 # ----------------------------------------------------------------------------------------
 @triton.jit
-def _bf16_rne(x):
-    """fp32 -> bf16 round-to-nearest-even in integer arithmetic (same bits on every backend)."""
+def _bf16_rne(x, HW_CAST: tl.constexpr):
+    """fp32 -> bf16 round to nearest even: the hardware cast on a GPU; integer arithmetic
+    under the interpreter (whose cast truncates), with the same result."""
+    if HW_CAST:
+        return x.to(tl.bfloat16)
     bits = x.to(tl.uint32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     nan = x != x
@@ -127,7 +139,7 @@ def _mix32(h):
 
 
 @triton.jit
-def _bf16_stochastic(x, gidx, tkey, skey):
+def _bf16_stochastic(x, gidx, tkey, skey, HW_CAST: tl.constexpr):
     """fp32 -> bf16 stochastic rounding: add 16 random bits below bf16's mantissa, truncate."""
     lo = (gidx & 0xFFFFFFFF).to(tl.uint32)
     hi = (gidx >> 32).to(tl.uint32)
@@ -136,29 +148,46 @@ def _bf16_stochastic(x, gidx, tkey, skey):
     bits = x.to(tl.uint32, bitcast=True)
     rounded = ((bits + (h & 0xFFFF)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     finite = tl.abs(x) < float("inf")
-    return tl.where(finite, rounded, _bf16_rne(x))
+    return tl.where(finite, rounded, _bf16_rne(x, HW_CAST))
 
 
 @triton.jit
 def _dyn_encode(x, tab, M: tl.constexpr, SIGNED: tl.constexpr):
-    """Nearest dynamic-tree code of x in [-1, 1] (see quant_maps.py)."""
+    """Nearest dynamic-tree code of x in [-1, 1] (see quant_maps.py).
+
+    The decade k = #{j >= 1 : |x| > 10**(j - M)} is found by a 3-level binary search over
+    the (at most 7) thresholds; then q = round((|x| - off_k) / step_k) in [0, 2**k] and the
+    code is 2**k + q - 1 (q = 0 is the previous decade's top code, or zero when k = 0).
+    """
     a = tl.abs(x)
-    k = tl.zeros(x.shape, tl.int32)
-    for j in tl.static_range(1, M):
-        k += (a > tl.load(tab + j)).to(tl.int32)
+    t1 = tl.load(tab + 1)
+    t2 = tl.load(tab + 2)
+    t3 = tl.load(tab + 3)
+    t4 = tl.load(tab + 4)
+    t5 = tl.load(tab + 5) if M > 5 else float("inf")
+    t6 = tl.load(tab + 6) if M > 6 else float("inf")
+    t7 = tl.load(tab + 7) if M > 7 else float("inf")
+    if M > 4:
+        b2 = a > t4
+        b1 = a > tl.where(b2, t6, t2)
+        b0 = a > tl.where(b2, tl.where(b1, t7, t5), tl.where(b1, t3, t1))
+        k = b2.to(tl.int32) * 4 + b1.to(tl.int32) * 2 + b0.to(tl.int32)
+    else:
+        k = (a > t1).to(tl.int32) + (a > t2).to(tl.int32)
     off = tl.load(tab + _K_TABLE_STRIDE + k)
     inv_step = tl.load(tab + 2 * _K_TABLE_STRIDE + k)
-    q = tl.floor((a - off) * inv_step + 0.5).to(tl.int32)
+    q = ((a - off) * inv_step + 0.5).to(tl.int32)  # >= 0: truncation is floor
     top = tl.full(x.shape, 1, tl.int32) << k
-    q = tl.minimum(tl.maximum(q, 0), top)
-    p = tl.where(q == 0, tl.where(k == 0, 0, top - 1), top + q - 1)
+    p = top + tl.minimum(q, top) - 1
     if SIGNED:
         p = tl.where(x < 0, p | (1 << M), p)
     return p
 
 
 @triton.jit
-def _dyn_decode(code, tab, M: tl.constexpr, SIGNED: tl.constexpr):
+def _dyn_decode(code, tab, M: tl.constexpr, SIGNED: tl.constexpr, LUT: tl.constexpr):
+    if LUT:  # the same values, tabulated (quant_maps.codec_tables)
+        return tl.load(tab + _K_TABLE_LUT + code.to(tl.int32))
     c = code.to(tl.int32)
     p = c & ((1 << M) - 1)
     k = ((p.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
@@ -175,7 +204,7 @@ def _dyn_decode(code, tab, M: tl.constexpr, SIGNED: tl.constexpr):
 
 @triton.jit
 def _lin4_encode(x):
-    q = tl.floor(tl.abs(x) * 16.0 - 0.5).to(tl.int32)
+    q = (tl.abs(x) * 16.0 - 0.5).to(tl.int32)  # truncation; negatives clamp to 0 below
     return tl.minimum(tl.maximum(q, 0), 15)
 
 
@@ -185,8 +214,12 @@ def _lin4_decode(code):
 
 
 @triton.jit
-def _fp8_encode(x):
-    """x in [-1, 1] -> e4m3 bits of x * 448, round to nearest even (float8_e4m3fn layout)."""
+def _fp8_encode(x, HW_CAST: tl.constexpr):
+    """x in [-1, 1] -> e4m3 bits of x * 448, round to nearest even (float8_e4m3fn layout):
+    the hardware cast on a GPU, bit arithmetic under the interpreter (same codes)."""
+    if HW_CAST:
+        y = tl.minimum(tl.maximum(x * 448.0, -448.0), 448.0)
+        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
     a = tl.minimum(tl.abs(x) * 448.0, 448.0)
     e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     qexp = tl.maximum(e, -6) - 3
@@ -203,7 +236,9 @@ def _fp8_encode(x):
 
 
 @triton.jit
-def _fp8_decode(code):
+def _fp8_decode(code, HW_CAST: tl.constexpr):
+    if HW_CAST:
+        return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * (1.0 / 448.0)
     c = code.to(tl.int32)
     ce = (c >> 3) & 15
     mant = c & 7
@@ -214,25 +249,25 @@ def _fp8_decode(code):
 
 
 @triton.jit
-def _decode(code, tab, CODEC: tl.constexpr):
+def _decode(code, tab, CODEC: tl.constexpr, HW_CAST: tl.constexpr, LUT: tl.constexpr):
     if CODEC == _K_CODEC_LIN4_NOZERO:
         return _lin4_decode(code)
     elif CODEC == _K_CODEC_FP8_E4M3:
-        return _fp8_decode(code)
+        return _fp8_decode(code, HW_CAST)
     elif CODEC == _K_CODEC_DYN8_SIGNED:
-        return _dyn_decode(code, tab, 7, True)
+        return _dyn_decode(code, tab, 7, True, LUT)
     elif CODEC == _K_CODEC_DYN8_UNSIGNED:
-        return _dyn_decode(code, tab, 8, False)
+        return _dyn_decode(code, tab, 8, False, LUT)
     else:
-        return _dyn_decode(code, tab, 3, True)
+        return _dyn_decode(code, tab, 3, True, LUT)
 
 
 @triton.jit
-def _encode(x, tab, CODEC: tl.constexpr):
+def _encode(x, tab, CODEC: tl.constexpr, HW_CAST: tl.constexpr):
     if CODEC == _K_CODEC_LIN4_NOZERO:
         return _lin4_encode(x)
     elif CODEC == _K_CODEC_FP8_E4M3:
-        return _fp8_encode(x)
+        return _fp8_encode(x, HW_CAST)
     elif CODEC == _K_CODEC_DYN8_SIGNED:
         return _dyn_encode(x, tab, 7, True)
     elif CODEC == _K_CODEC_DYN8_UNSIGNED:
@@ -260,7 +295,8 @@ def _st(ptr, val, mask, EVEN: tl.constexpr):
 
 @triton.jit
 def _load_state(base, sbase, soff, tab, eptr_off, cptr_off, bidx, bmask, emask, cmask,
-                CODEC: tl.constexpr, QBLOCK: tl.constexpr, EVEN: tl.constexpr):
+                CODEC: tl.constexpr, QBLOCK: tl.constexpr, EVEN: tl.constexpr, HW_CAST: tl.constexpr,
+                LUT: tl.constexpr):
     """Load one moment of a tile as fp32 [NB, QBLOCK] (plain, or codes dequantized).
 
     eptr_off: element offsets [NB, QBLOCK]; cptr_off: code-byte offsets (4-bit: [NB, QBLOCK/2]).
@@ -274,16 +310,17 @@ def _load_state(base, sbase, soff, tab, eptr_off, cptr_off, bidx, bmask, emask, 
             codes = tl.interleave(packed & 15, packed >> 4)
         else:
             codes = _ld(base + cptr_off, emask, EVEN)
-        return _decode(codes, tab, CODEC) * absmax[:, None]
+        return _decode(codes, tab, CODEC, HW_CAST, LUT) * absmax[:, None]
 
 
 @triton.jit
 def _store_state(x, base, sbase, soff, tab, eptr_off, cptr_off, bidx, bmask, emask, cmask,
-                 CODEC: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, EVEN: tl.constexpr):
+                 CODEC: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, EVEN: tl.constexpr,
+                 HW_CAST: tl.constexpr):
     """Store one moment of a tile: plain, or re-quantized with each block's new absmax."""
     if CODEC == _K_CODEC_NONE:
         if base.dtype.element_ty == tl.bfloat16:
-            _st(base + eptr_off, _bf16_rne(x), emask, EVEN)
+            _st(base + eptr_off, _bf16_rne(x, HW_CAST), emask, EVEN)
         else:
             _st(base + eptr_off, x, emask, EVEN)
     else:
@@ -291,7 +328,7 @@ def _store_state(x, base, sbase, soff, tab, eptr_off, cptr_off, bidx, bmask, ema
             x = tl.where(emask, x, 0.0)
         absmax = tl.max(tl.abs(x), axis=1)
         inv = tl.div_rn(tl.full(absmax.shape, 1.0, tl.float32), tl.where(absmax > 0, absmax, 1.0))
-        codes = _encode(x * inv[:, None], tab, CODEC)
+        codes = _encode(x * inv[:, None], tab, CODEC, HW_CAST)
         _st(sbase + soff + bidx, absmax, bmask, EVEN)
         if CODEC == _K_CODEC_DYN4_SIGNED or CODEC == _K_CODEC_LIN4_NOZERO:
             lo, hi = tl.split(tl.reshape(codes, [NB, QBLOCK // 2, 2]))
@@ -316,7 +353,7 @@ def _adamw_lowbit_kernel(
     lr_value, inv_bc1, inv_sqrt_bc2, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, wd, skey,
     M_CODEC: tl.constexpr, V_CODEC: tl.constexpr, UPDATE: tl.constexpr,
     DECOUPLED: tl.constexpr, LR_IS_TENSOR: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
-    QBLOCK: tl.constexpr, NB: tl.constexpr,
+    HW_CAST: tl.constexpr, LUT: tl.constexpr, QBLOCK: tl.constexpr, NB: tl.constexpr,
 ):
     # Buffers are addressed as base pointer (a kernel argument, so the compiler knows its
     # alignment) + per-tensor element offset from the metadata table (+ hint when ALIGNED):
@@ -380,8 +417,8 @@ def _adamw_lowbit_kernel(
     vs_off = tl.load(meta + _K_META_VSCALE)
     m_base = m_base + m_off
     v_base = v_base + v_off
-    m = _load_state(m_base, ms_base, ms_off, tab_m, eoff, coff, bidx, bmask, emask, cmask, M_CODEC, QBLOCK, EVEN)
-    v = _load_state(v_base, vs_base, vs_off, tab_v, eoff, coff, bidx, bmask, emask, cmask, V_CODEC, QBLOCK, EVEN)
+    m = _load_state(m_base, ms_base, ms_off, tab_m, eoff, coff, bidx, bmask, emask, cmask, M_CODEC, QBLOCK, EVEN, HW_CAST, LUT)
+    v = _load_state(v_base, vs_base, vs_off, tab_v, eoff, coff, bidx, bmask, emask, cmask, V_CODEC, QBLOCK, EVEN, HW_CAST, LUT)
 
     # ---- AdamW, fp32 -------------------------------------------------------------------
     if not DECOUPLED:
@@ -395,28 +432,28 @@ def _adamw_lowbit_kernel(
     else:
         p_new = p - upd
 
-    _store_state(m, m_base, ms_base, ms_off, tab_m, eoff, coff, bidx, bmask, emask, cmask, M_CODEC, NB, QBLOCK, EVEN)
-    _store_state(v, v_base, vs_base, vs_off, tab_v, eoff, coff, bidx, bmask, emask, cmask, V_CODEC, NB, QBLOCK, EVEN)
+    _store_state(m, m_base, ms_base, ms_off, tab_m, eoff, coff, bidx, bmask, emask, cmask, M_CODEC, NB, QBLOCK, EVEN, HW_CAST)
+    _store_state(v, v_base, vs_base, vs_off, tab_v, eoff, coff, bidx, bmask, emask, cmask, V_CODEC, NB, QBLOCK, EVEN, HW_CAST)
 
     # ---- weight write ------------------------------------------------------------------
     if not PARAM_BF16:
         _st(pptr, p_new, emask, EVEN)
     elif UPDATE == _K_UPDATE_NEAREST:
-        _st(pptr, _bf16_rne(p_new), emask, EVEN)
+        _st(pptr, _bf16_rne(p_new, HW_CAST), emask, EVEN)
     elif UPDATE == _K_UPDATE_STOCHASTIC:
         g_start = tl.load(meta + _K_META_SR_BASE) + row64 * tl.load(meta + _K_META_SR_ROW) + cb * QBLOCK
         gidx = g_start[:, None] + lane
         tkey = tl.load(meta + _K_META_SR_KEY).to(tl.uint32)
-        _st(pptr, _bf16_stochastic(p_new, gidx, tkey, skey.to(tl.uint32)), emask, EVEN)
+        _st(pptr, _bf16_stochastic(p_new, gidx, tkey, skey.to(tl.uint32), HW_CAST), emask, EVEN)
     elif UPDATE == _K_UPDATE_KAHAN:
         c = _ld(xptr, emask, EVEN).to(tl.float32)
         s = (p_new - p) + c
-        p_b = _bf16_rne(p + s)
+        p_b = _bf16_rne(p + s, HW_CAST)
         _st(pptr, p_b, emask, EVEN)
-        _st(xptr, _bf16_rne(s - (p_b.to(tl.float32) - p)), emask, EVEN)
+        _st(xptr, _bf16_rne(s - (p_b.to(tl.float32) - p), HW_CAST), emask, EVEN)
     else:  # MASTER
         _st(xptr, p_new, emask, EVEN)
-        _st(pptr, _bf16_rne(p_new), emask, EVEN)
+        _st(pptr, _bf16_rne(p_new, HW_CAST), emask, EVEN)
 
 
 # ----------------------------------------------------------------------------------------
@@ -500,7 +537,8 @@ class FusedAdamW:
     """
 
     def __init__(self, cfg: AdamWConfig, tensors: Sequence[AdamWTensor],
-                 elems_per_program: int = DEFAULT_ELEMS_PER_PROGRAM, num_warps: int = DEFAULT_NUM_WARPS):
+                 elems_per_program: int = DEFAULT_ELEMS_PER_PROGRAM, num_warps: int = DEFAULT_NUM_WARPS,
+                 decode_lut: bool = DEFAULT_DECODE_LUT):
         if cfg.block & (cfg.block - 1) or cfg.block < 2:
             raise ValueError(f"block size must be a power of two >= 2, got {cfg.block}")
         if not tensors:
@@ -510,6 +548,7 @@ class FusedAdamW:
         t0 = tensors[0]
         self.device = t0.param.device
         self.num_warps = num_warps
+        self.decode_lut = decode_lut
         self.nb = max(1, elems_per_program // cfg.block)
         # Base pointers: the first tensor's buffer of each role (the param stands in for
         # roles a family does not use; the kernel never touches those).
@@ -602,5 +641,6 @@ class FusedAdamW:
             s["beta2"], s["one_minus_beta2"], s["eps"], s["wd"], s["skey"],
             M_CODEC=cfg.m_codec, V_CODEC=cfg.v_codec, UPDATE=cfg.weight_update,
             DECOUPLED=cfg.decoupled, LR_IS_TENSOR=lr_is_tensor,
-            ALIGNED=self.aligned, EVEN=self.even, QBLOCK=cfg.block, NB=self.nb, num_warps=self.num_warps,
+            ALIGNED=self.aligned, EVEN=self.even,
+            HW_CAST=not interpreting(), LUT=self.decode_lut, QBLOCK=cfg.block, NB=self.nb, num_warps=self.num_warps,
         )

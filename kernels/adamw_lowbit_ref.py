@@ -37,6 +37,7 @@ from .quant_maps import (
     MIX_C2,
     TABLE_STRIDE,
     codec_tables,
+    dyn_decode,
 )
 
 _DYN = {CODEC_DYN8_SIGNED: (7, True), CODEC_DYN8_UNSIGNED: (8, False), CODEC_DYN4_SIGNED: (3, True)}
@@ -121,39 +122,31 @@ def bf16_stochastic(x: torch.Tensor, gidx: torch.Tensor, tkey: int, skey: int) -
 # ---------------------------------------------------------------------------------------
 def _dyn_encode(x: torch.Tensor, tab: torch.Tensor, M: int, signed: bool) -> torch.Tensor:
     a = x.abs()
-    k = torch.zeros(x.shape, dtype=torch.int32, device=x.device)
-    for j in range(1, M):
-        k = k + (a > tab[j]).to(torch.int32)
+    inf = torch.tensor(float("inf"))
+    t = [tab[j] if j < M else inf for j in range(8)]
+    if M > 4:
+        b2 = a > t[4]
+        b1 = a > torch.where(b2, t[6], t[2])
+        b0 = a > torch.where(b2, torch.where(b1, t[7], t[5]), torch.where(b1, t[3], t[1]))
+        k = b2.to(torch.int32) * 4 + b1.to(torch.int32) * 2 + b0.to(torch.int32)
+    else:
+        k = (a > t[1]).to(torch.int32) + (a > t[2]).to(torch.int32)
     kl = k.long()
     off = tab[TABLE_STRIDE + kl]
     inv_step = tab[2 * TABLE_STRIDE + kl]
-    q = torch.floor((a - off) * inv_step + 0.5).to(torch.int32)
+    q = ((a - off) * inv_step + 0.5).to(torch.int32)
     top = torch.ones_like(k) << k
-    q = torch.minimum(torch.maximum(q, torch.zeros_like(q)), top)
-    p = torch.where(q == 0, torch.where(k == 0, torch.zeros_like(k), top - 1), top + q - 1)
+    p = top + torch.minimum(q, top) - 1
     if signed:
         p = torch.where(x < 0, p | (1 << M), p)
     return p
 
 
-def _dyn_decode(code: torch.Tensor, tab: torch.Tensor, M: int, signed: bool) -> torch.Tensor:
-    c = code.to(torch.int32)
-    p = c & ((1 << M) - 1)
-    k = ((_f32_bits(p.to(torch.float32)) >> 23) & 0xFF) - 127
-    k = torch.clamp(k, min=0)
-    f = p - (torch.ones_like(k) << k)
-    kl = k.long()
-    off = tab[TABLE_STRIDE + kl]
-    step = tab[3 * TABLE_STRIDE + kl]
-    val = off + (f + 1).to(torch.float32) * step
-    val = torch.where(p == 0, torch.zeros_like(val), val)
-    if signed:
-        val = torch.where(((c >> M) & 1) != 0, -val, val)
-    return val
+_dyn_decode = dyn_decode
 
 
 def _lin4_encode(x: torch.Tensor) -> torch.Tensor:
-    q = torch.floor(x.abs() * 16.0 - 0.5).to(torch.int32)
+    q = (x.abs() * 16.0 - 0.5).to(torch.int32)
     return q.clamp(0, 15)
 
 

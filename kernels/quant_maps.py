@@ -55,8 +55,11 @@ DYN_SIGNED = {CODEC_DYN8_SIGNED: True, CODEC_DYN8_UNSIGNED: False, CODEC_DYN4_SI
 #   [S:2S)  encode offset of decade k (0 for k = 0, else 10**(k - M))
 #   [2S:3S) encode inverse step of decade k
 #   [3S:4S) decode step of decade k (value = offset + (f + 1) * step)
+#   [4S:4S+256) every code's decoded value, computed by dyn_decode below (the kernel's
+#           optional table-lookup decode; identical values to the arithmetic one)
 TABLE_STRIDE = 8
-TABLE_SIZE = 4 * TABLE_STRIDE
+TABLE_LUT = 4 * TABLE_STRIDE
+TABLE_SIZE = TABLE_LUT + 256
 
 
 def _dyn_decade(k: int, M: int) -> tuple[float, float]:
@@ -80,11 +83,32 @@ def dyn_table(codec: int) -> torch.Tensor:
     return torch.tensor(t, dtype=torch.float64).to(torch.float32)
 
 
+def dyn_decode(code: torch.Tensor, tab: torch.Tensor, M: int, signed: bool) -> torch.Tensor:
+    """Decode dynamic-tree codes arithmetically in fp32 (the kernel's ``_dyn_decode`` twin)."""
+    c = code.to(torch.int32)
+    p = c & ((1 << M) - 1)
+    k = ((p.to(torch.float32).view(torch.int32) >> 23) & 0xFF) - 127
+    k = torch.clamp(k, min=0)
+    f = p - (torch.ones_like(k) << k)
+    kl = k.long()
+    off = tab[TABLE_STRIDE + kl]
+    step = tab[3 * TABLE_STRIDE + kl]
+    val = off + (f + 1).to(torch.float32) * step
+    val = torch.where(p == 0, torch.zeros_like(val), val)
+    if signed:
+        val = torch.where(((c >> M) & 1) != 0, -val, val)
+    return val
+
+
 def codec_table(codec: int) -> torch.Tensor:
     """Constant table of any codec (zeros for codecs that need none)."""
-    if codec in DYN_MAGNITUDE_BITS:
-        return dyn_table(codec)
-    return torch.zeros(TABLE_SIZE, dtype=torch.float32)
+    if codec not in DYN_MAGNITUDE_BITS:
+        return torch.zeros(TABLE_SIZE, dtype=torch.float32)
+    t = dyn_table(codec)
+    M = DYN_MAGNITUDE_BITS[codec]
+    n = 2 ** (M + 1) if DYN_SIGNED[codec] else 2**M
+    t[TABLE_LUT:TABLE_LUT + n] = dyn_decode(torch.arange(n), t, M, DYN_SIGNED[codec])
+    return t
 
 
 @functools.lru_cache(maxsize=None)

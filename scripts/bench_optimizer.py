@@ -91,15 +91,15 @@ def row_specs(args) -> list[dict]:
         name = f"LowBitAdamW {fmt}"
         if kw:
             name += " " + ",".join(f"{k}={v}" for k, v in kw.items())
-        launch = {k: kw.pop(k) for k in ("elems", "warps") if k in kw}
+        launch = {k: kw.pop(k) for k in ("elems", "warps", "lut") if k in kw}
         nf = kw.pop("nonfinite_grad", "ignore")
 
         def build(params):
             opt = LowBitAdamW(params, lr=1e-4, weight_decay=0.1, state_format=fmt, weight_update=update,
                               nonfinite_grad=nf, seed=0)
             if launch:
-                opt.launch_options = dict(elems_per_program=launch.get("elems", 2048),
-                                           num_warps=launch.get("warps", 8))
+                opt.launch_options = {name: launch[k] for k, name in (
+                    ("elems", "elems_per_program"), ("warps", "num_warps"), ("lut", "decode_lut")) if k in launch}
             return opt
 
         upd = update if wdtype == torch.bfloat16 else "exact"
@@ -113,10 +113,12 @@ def row_specs(args) -> list[dict]:
     ours("8bit", torch.bfloat16, "master")
     ours("8bit", torch.float32, nonfinite_grad="raise")
     if args.sweep:
-        for elems, warps in ((1024, 4), (2048, 4), (4096, 8), (4096, 16), (8192, 16)):
-            ours("8bit", torch.float32, elems=elems, warps=warps)
-            ours("8bit", torch.bfloat16, "stochastic", elems=elems, warps=warps)
+        for elems, warps in ((1024, 4), (2048, 8), (4096, 8)):
+            for lut in (False, True):
+                ours("8bit", torch.float32, elems=elems, warps=warps, lut=lut)
+                ours("8bit", torch.bfloat16, "stochastic", elems=elems, warps=warps, lut=lut)
             ours("4bit", torch.bfloat16, "stochastic", elems=elems, warps=warps)
+            ours("fp8", torch.bfloat16, "stochastic", elems=elems, warps=warps)
 
     for wdtype in (torch.float32, torch.bfloat16):
         specs.append(dict(label="torch AdamW fused", update="nearest" if wdtype == torch.bfloat16 else "exact",
