@@ -190,7 +190,7 @@ def absmean_scale_reference(w: torch.Tensor, abs_sum: torch.Tensor | None = None
     global element count instead of this tensor's own.
     """
     if abs_sum is None:
-        abs_sum = w.abs().sum(dtype=torch.float32)
+        abs_sum = torch.linalg.vector_norm(w, 1, dtype=torch.float32)
     n = w.numel() if numel is None else numel
     return (abs_sum.float() / n).clamp_min(EPS)
 

@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -37,12 +38,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 SHAPES = [(2048, 5632), (5632, 2048), (4096, 14336), (14336, 4096)]
+ROUNDS = 3
 
 
 def _bench(fn, grad_to_none=None):
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=50, rep=200, grad_to_none=grad_to_none,
+    return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none,
                                    return_mode="median")
 
 
@@ -81,15 +83,26 @@ def _linear_rows(tokens, k, n, dev, ceil, with_torchao):
             F.linear(x, weight).backward(dy)
         return run
 
-    row["bf16_ms"] = _bench(fwd_bwd(w), [x, w])
     g = bq.absmean_scale_reference(w.detach())
     codes = bq.ternarize(w.detach(), g)
     gathered = BitNetTernaryWeight(codes, g, torch.bfloat16).requires_grad_()
-    row["bitnet_ms"] = _bench(fwd_bwd(gathered), [x, gathered])
     latent = nn.Parameter(BitNetTrainingWeight(w.detach().clone()))
-    row["bitnet_wq_ms"] = _bench(fwd_bwd(latent), [x, latent])
     gathered_bf16bwd = BitNetTernaryWeight(codes, g, torch.bfloat16, int8_backward=False).requires_grad_()
-    row["bitnet_bf16bwd_ms"] = _bench(fwd_bwd(gathered_bf16bwd), [x, gathered_bf16bwd])
+    variants = {
+        "bf16": (fwd_bwd(w), [x, w]),
+        "bitnet": (fwd_bwd(gathered), [x, gathered]),
+        "bitnet_wq": (fwd_bwd(latent), [x, latent]),
+        "bitnet_bf16bwd": (fwd_bwd(gathered_bf16bwd), [x, gathered_bf16bwd]),
+    }
+    # Interleaved rounds, median per variant: clocks drift under sustained load, and a
+    # variant timed only after the others would pay for it.
+    times = {name: [] for name in variants}
+    for _ in range(ROUNDS):
+        for name, (fn, grads) in variants.items():
+            times[name].append(_bench(fn, grads))
+    for name, ts in times.items():
+        row[f"{name}_ms"] = statistics.median(ts)
+        row[f"{name}_spread"] = (max(ts) - min(ts)) / statistics.median(ts)
 
     # Correctness of what was timed: the forward against the reference formulation.
     with torch.no_grad():

@@ -141,7 +141,7 @@ class BitNetTrainingWeight(_RoutesLinear):
             )
         scale = self._precomputed_scale
         if scale is None:
-            abs_sum = self._data.abs().sum(dtype=torch.float32)
+            abs_sum = torch.linalg.vector_norm(self._data, 1, dtype=torch.float32)
             if world > 1:
                 dist.all_reduce(abs_sum, group=_shard_group(mesh))
             scale = (abs_sum / outer_size.numel()).clamp_min(ops.EPS)
@@ -267,9 +267,9 @@ def precompute_scales(params: Iterable[torch.Tensor]) -> int:
         by_group[group].append((local, p.numel()))
     issued = 0
     for group, items in by_group.items():
-        locals_ = [w._data for w, _ in items]
         with torch.no_grad():
-            sums = torch.stack([t.abs().sum(dtype=torch.float32) for t in locals_])
+            # One multi-tensor launch for all local L1 norms (no |W| temporaries).
+            sums = torch.stack(torch._foreach_norm([w._data for w, _ in items], 1, dtype=torch.float32))
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(sums, group=group)
                 issued += 1
