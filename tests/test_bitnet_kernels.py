@@ -182,3 +182,33 @@ def test_kernels_refuse_unsupported_input():
         bq.unpack_ternary(torch.zeros(2, 3, dtype=torch.uint8, device=DEVICE), 5)
     with pytest.raises(ValueError, match="outside"):
         bq.pack_ternary_reference(torch.full((1, 4), 2, dtype=torch.int8))
+
+
+def test_bitnet_linear_on_device_matches_reference_math():
+    """The whole layer (custom ops, autograd) on this device: Triton kernels on a GPU."""
+    import torch.nn.functional as F
+
+    from titan_lowbit.bitnet import BitNetTrainingWeight
+
+    m, k, n = (37, 96, 80) if DEVICE == "cpu" else (4100, 2048, 1408)
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(n, k, device=DEVICE) * k**-0.5
+    weight = torch.nn.Parameter(BitNetTrainingWeight(w.clone()))
+    dy = torch.randn(m, n, device=DEVICE, dtype=torch.bfloat16)
+    y = F.linear(x, weight)
+    y.backward(dy)
+
+    g = bq.absmean_scale_reference(w)
+    w_hat = bq.ternarize_reference(w, g).double() * g.double()
+    qx, sx = bq.quantize_rows_reference(x.detach())
+    x_hat = qx.double() * sx.double()[:, None]
+    qd, sd = bq.quantize_rows_reference(dy)
+    dy_hat = qd.double() * sd.double()[:, None]
+
+    def rel(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
+
+    assert y.dtype == torch.bfloat16 and weight.grad.dtype == torch.float32
+    assert rel(y, x_hat @ w_hat.t()) < 4e-3  # bf16 output rounding
+    assert rel(x.grad, dy_hat @ w_hat) < 4e-3
+    assert rel(weight.grad, dy.double().t() @ x_hat) < 8e-3  # bf16 GEMM

@@ -101,6 +101,20 @@ def test_bf16_activations_give_bf16_outputs_and_weight_dtype_grads():
     assert lin.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
 
 
+def test_autocast_runs_the_layer_in_the_autocast_dtype():
+    lin = nn.Linear(32, 48)
+    convert_to_bitnet(nn.Sequential(lin), [])
+    x = torch.randn(4, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lin(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and lin.weight.grad.dtype == torch.float32
+    # Same quantized operands (the bf16-rounded input), fp32 arithmetic: bf16 output rounding apart.
+    ref = ops.bitnet_linear_reference(x.detach().bfloat16().float(), lin.weight._data, lin.bias)
+    torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=2e-3)
+
+
 class _Toy(nn.Module):
     def __init__(self):
         super().__init__()

@@ -54,7 +54,14 @@ _TERNARY_VIEWS = {aten.detach.default, aten.alias.default, aten.view.default, at
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for a BitNet weight (either subclass)."""
+    """F.linear for a BitNet weight (either subclass).
+
+    Under torch.autocast the activation is cast to the autocast dtype first, as autocast
+    does for F.linear: torchtitan without FSDP trains fp32 weights under bf16 autocast,
+    and the int8 kernels then write bf16 outputs and the weight gradient is a bf16 GEMM.
+    """
+    if torch.is_autocast_enabled(x.device.type):
+        x = x.to(torch.get_autocast_dtype(x.device.type))
     _check_dtypes(x, weight)
     if isinstance(weight, BitNetTernaryWeight):
         codes, scale, int8_bwd = weight._codes, weight._scale, weight._int8_backward
