@@ -48,10 +48,14 @@ from .quant_maps import (
     CODEC_FP8_E4M3,
     CODEC_LIN4_NOZERO,
     CODEC_NONE,
+    ENC_BASE,
+    ENC_SHIFT,
+    ENC_SIZE,
     TABLE_LUT,
+    TABLE_MID,
     TABLE_SIZE,
-    TABLE_STRIDE,
     codec_tables,
+    encode_tables,
     step_key,
 )
 
@@ -69,10 +73,11 @@ META_COLS, META_BPR, META_NBLOCKS, META_CODE_ROW, META_SR_BASE, META_SR_ROW, MET
 META_STRIDE = 16
 
 # Elements one program handles (several quantization blocks); tuned on an H100.
-DEFAULT_ELEMS_PER_PROGRAM = 2048
-DEFAULT_NUM_WARPS = 8
-# Decode dynamic-tree codes by table lookup (True) or arithmetic (False): same values.
-DEFAULT_DECODE_LUT = False
+DEFAULT_ELEMS_PER_PROGRAM = 1024
+DEFAULT_NUM_WARPS = 4
+# A tile-table entry is one int32: (tensor slot << TILE_BITS) | tile index in the tensor.
+TILE_BITS = 21
+MAX_TENSORS_PER_LAUNCH = 1 << (31 - TILE_BITS)
 
 
 def interpreting() -> bool:
@@ -89,8 +94,13 @@ _K_CODEC_FP8_E4M3 = tl.constexpr(CODEC_FP8_E4M3)
 _K_CODEC_LIN4_NOZERO = tl.constexpr(CODEC_LIN4_NOZERO)
 _K_CODEC_NONE = tl.constexpr(CODEC_NONE)
 _K_TABLE_SIZE = tl.constexpr(TABLE_SIZE)
-_K_TABLE_STRIDE = tl.constexpr(TABLE_STRIDE)
 _K_TABLE_LUT = tl.constexpr(TABLE_LUT)
+_K_TILE_BITS = tl.constexpr(TILE_BITS)
+_K_TILE_MASK = tl.constexpr((1 << TILE_BITS) - 1)
+_K_TABLE_MID = tl.constexpr(TABLE_MID)
+_K_ENC_SHIFT = tl.constexpr(ENC_SHIFT)
+_K_ENC_BASE = tl.constexpr(ENC_BASE)
+_K_ENC_SIZE = tl.constexpr(ENC_SIZE)
 _K_UPDATE_NEAREST = tl.constexpr(UPDATE_NEAREST)
 _K_UPDATE_STOCHASTIC = tl.constexpr(UPDATE_STOCHASTIC)
 _K_UPDATE_KAHAN = tl.constexpr(UPDATE_KAHAN)
@@ -152,54 +162,23 @@ def _bf16_stochastic(x, gidx, tkey, skey, HW_CAST: tl.constexpr):
 
 
 @triton.jit
-def _dyn_encode(x, tab, M: tl.constexpr, SIGNED: tl.constexpr):
-    """Nearest dynamic-tree code of x in [-1, 1] (see quant_maps.py).
-
-    The decade k = #{j >= 1 : |x| > 10**(j - M)} is found by a 3-level binary search over
-    the (at most 7) thresholds; then q = round((|x| - off_k) / step_k) in [0, 2**k] and the
-    code is 2**k + q - 1 (q = 0 is the previous decade's top code, or zero when k = 0).
-    """
+def _dyn_encode(x, tab, etab, M: tl.constexpr, SIGNED: tl.constexpr):
+    """Nearest dynamic-tree code of x in [-1, 1]: bucket table, then one midpoint compare
+    (see quant_maps.py for why one compare is enough)."""
     a = tl.abs(x)
-    t1 = tl.load(tab + 1)
-    t2 = tl.load(tab + 2)
-    t3 = tl.load(tab + 3)
-    t4 = tl.load(tab + 4)
-    t5 = tl.load(tab + 5) if M > 5 else float("inf")
-    t6 = tl.load(tab + 6) if M > 6 else float("inf")
-    t7 = tl.load(tab + 7) if M > 7 else float("inf")
-    if M > 4:
-        b2 = a > t4
-        b1 = a > tl.where(b2, t6, t2)
-        b0 = a > tl.where(b2, tl.where(b1, t7, t5), tl.where(b1, t3, t1))
-        k = b2.to(tl.int32) * 4 + b1.to(tl.int32) * 2 + b0.to(tl.int32)
-    else:
-        k = (a > t1).to(tl.int32) + (a > t2).to(tl.int32)
-    off = tl.load(tab + _K_TABLE_STRIDE + k)
-    inv_step = tl.load(tab + 2 * _K_TABLE_STRIDE + k)
-    q = ((a - off) * inv_step + 0.5).to(tl.int32)  # >= 0: truncation is floor
-    top = tl.full(x.shape, 1, tl.int32) << k
-    p = top + tl.minimum(q, top) - 1
+    idx = (a.to(tl.int32, bitcast=True) >> _K_ENC_SHIFT) - _K_ENC_BASE
+    idx = tl.minimum(tl.maximum(idx, 0), _K_ENC_SIZE - 1)
+    cand = tl.load(etab + idx).to(tl.int32)
+    p = cand + (a > tl.load(tab + _K_TABLE_MID + cand)).to(tl.int32)
     if SIGNED:
         p = tl.where(x < 0, p | (1 << M), p)
     return p
 
 
 @triton.jit
-def _dyn_decode(code, tab, M: tl.constexpr, SIGNED: tl.constexpr, LUT: tl.constexpr):
-    if LUT:  # the same values, tabulated (quant_maps.codec_tables)
-        return tl.load(tab + _K_TABLE_LUT + code.to(tl.int32))
-    c = code.to(tl.int32)
-    p = c & ((1 << M) - 1)
-    k = ((p.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    k = tl.maximum(k, 0)
-    f = p - (tl.full(p.shape, 1, tl.int32) << k)
-    off = tl.load(tab + _K_TABLE_STRIDE + k)
-    step = tl.load(tab + 3 * _K_TABLE_STRIDE + k)
-    val = off + (f + 1).to(tl.float32) * step
-    val = tl.where(p == 0, 0.0, val)
-    if SIGNED:
-        val = tl.where(((c >> M) & 1) != 0, -val, val)
-    return val
+def _dyn_decode(code, tab):
+    """Value of a dynamic-tree code: one read of the codec's value table."""
+    return tl.load(tab + _K_TABLE_LUT + code.to(tl.int32))
 
 
 @triton.jit
@@ -249,31 +228,27 @@ def _fp8_decode(code, HW_CAST: tl.constexpr):
 
 
 @triton.jit
-def _decode(code, tab, CODEC: tl.constexpr, HW_CAST: tl.constexpr, LUT: tl.constexpr):
+def _decode(code, tab, CODEC: tl.constexpr, HW_CAST: tl.constexpr):
     if CODEC == _K_CODEC_LIN4_NOZERO:
         return _lin4_decode(code)
     elif CODEC == _K_CODEC_FP8_E4M3:
         return _fp8_decode(code, HW_CAST)
-    elif CODEC == _K_CODEC_DYN8_SIGNED:
-        return _dyn_decode(code, tab, 7, True, LUT)
-    elif CODEC == _K_CODEC_DYN8_UNSIGNED:
-        return _dyn_decode(code, tab, 8, False, LUT)
     else:
-        return _dyn_decode(code, tab, 3, True, LUT)
+        return _dyn_decode(code, tab)
 
 
 @triton.jit
-def _encode(x, tab, CODEC: tl.constexpr, HW_CAST: tl.constexpr):
+def _encode(x, tab, etab, CODEC: tl.constexpr, HW_CAST: tl.constexpr):
     if CODEC == _K_CODEC_LIN4_NOZERO:
         return _lin4_encode(x)
     elif CODEC == _K_CODEC_FP8_E4M3:
         return _fp8_encode(x, HW_CAST)
     elif CODEC == _K_CODEC_DYN8_SIGNED:
-        return _dyn_encode(x, tab, 7, True)
+        return _dyn_encode(x, tab, etab, 7, True)
     elif CODEC == _K_CODEC_DYN8_UNSIGNED:
-        return _dyn_encode(x, tab, 8, False)
+        return _dyn_encode(x, tab, etab, 8, False)
     else:
-        return _dyn_encode(x, tab, 3, True)
+        return _dyn_encode(x, tab, etab, 3, True)
 
 
 @triton.jit
@@ -295,8 +270,7 @@ def _st(ptr, val, mask, EVEN: tl.constexpr):
 
 @triton.jit
 def _load_state(base, sbase, soff, tab, eptr_off, cptr_off, bidx, bmask, emask, cmask,
-                CODEC: tl.constexpr, QBLOCK: tl.constexpr, EVEN: tl.constexpr, HW_CAST: tl.constexpr,
-                LUT: tl.constexpr):
+                CODEC: tl.constexpr, QBLOCK: tl.constexpr, EVEN: tl.constexpr, HW_CAST: tl.constexpr):
     """Load one moment of a tile as fp32 [NB, QBLOCK] (plain, or codes dequantized).
 
     eptr_off: element offsets [NB, QBLOCK]; cptr_off: code-byte offsets (4-bit: [NB, QBLOCK/2]).
@@ -310,11 +284,11 @@ def _load_state(base, sbase, soff, tab, eptr_off, cptr_off, bidx, bmask, emask, 
             codes = tl.interleave(packed & 15, packed >> 4)
         else:
             codes = _ld(base + cptr_off, emask, EVEN)
-        return _decode(codes, tab, CODEC, HW_CAST, LUT) * absmax[:, None]
+        return _decode(codes, tab, CODEC, HW_CAST) * absmax[:, None]
 
 
 @triton.jit
-def _store_state(x, base, sbase, soff, tab, eptr_off, cptr_off, bidx, bmask, emask, cmask,
+def _store_state(x, base, sbase, soff, tab, etab, eptr_off, cptr_off, bidx, bmask, emask, cmask,
                  CODEC: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, EVEN: tl.constexpr,
                  HW_CAST: tl.constexpr):
     """Store one moment of a tile: plain, or re-quantized with each block's new absmax."""
@@ -328,7 +302,7 @@ def _store_state(x, base, sbase, soff, tab, eptr_off, cptr_off, bidx, bmask, ema
             x = tl.where(emask, x, 0.0)
         absmax = tl.max(tl.abs(x), axis=1)
         inv = tl.div_rn(tl.full(absmax.shape, 1.0, tl.float32), tl.where(absmax > 0, absmax, 1.0))
-        codes = _encode(x * inv[:, None], tab, CODEC, HW_CAST)
+        codes = _encode(x * inv[:, None], tab, etab, CODEC, HW_CAST)
         _st(sbase + soff + bidx, absmax, bmask, EVEN)
         if CODEC == _K_CODEC_DYN4_SIGNED or CODEC == _K_CODEC_LIN4_NOZERO:
             lo, hi = tl.split(tl.reshape(codes, [NB, QBLOCK // 2, 2]))
@@ -348,20 +322,21 @@ def _meta_offset(meta, COL: tl.constexpr, ALIGNED: tl.constexpr):
 
 @triton.jit
 def _adamw_lowbit_kernel(
-    tiles_ptr, meta_ptr, grad_offsets_ptr, tables_ptr, lr_ptr,
+    tiles_ptr, meta_ptr, grad_offsets_ptr, tables_ptr, enc_tables_ptr, lr_ptr,
     p_base, g_base, m_base, v_base, ms_base, vs_base, x_base,
     lr_value, inv_bc1, inv_sqrt_bc2, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, wd, skey,
     M_CODEC: tl.constexpr, V_CODEC: tl.constexpr, UPDATE: tl.constexpr,
     DECOUPLED: tl.constexpr, LR_IS_TENSOR: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
-    HW_CAST: tl.constexpr, LUT: tl.constexpr, QBLOCK: tl.constexpr, NB: tl.constexpr,
+    HW_CAST: tl.constexpr, QBLOCK: tl.constexpr, NB: tl.constexpr,
 ):
     # Buffers are addressed as base pointer (a kernel argument, so the compiler knows its
     # alignment) + per-tensor element offset from the metadata table (+ hint when ALIGNED):
     # that is what lets Triton emit 16-byte vector loads for tensors it only sees through a
     # table. EVEN launches hold only whole tiles of whole blocks: no masks at all.
     pid = tl.program_id(0)
-    slot = tl.load(tiles_ptr + 2 * pid)
-    q0 = tl.load(tiles_ptr + 2 * pid + 1)
+    tile = tl.load(tiles_ptr + pid)
+    slot = tile >> _K_TILE_BITS
+    q0 = (tile & _K_TILE_MASK) * NB
     meta = meta_ptr + slot.to(tl.int64) * _K_META_STRIDE
     cols = _meta_offset(meta, _K_META_COLS, ALIGNED)
     code_row = _meta_offset(meta, _K_META_CODE_ROW, ALIGNED)
@@ -411,14 +386,16 @@ def _adamw_lowbit_kernel(
 
     tab_m = tables_ptr + M_CODEC * _K_TABLE_SIZE
     tab_v = tables_ptr + V_CODEC * _K_TABLE_SIZE
+    etab_m = enc_tables_ptr + M_CODEC * _K_ENC_SIZE
+    etab_v = enc_tables_ptr + V_CODEC * _K_ENC_SIZE
     m_off = _meta_offset(meta, _K_META_M, ALIGNED)
     v_off = _meta_offset(meta, _K_META_V, ALIGNED)
     ms_off = tl.load(meta + _K_META_MSCALE)
     vs_off = tl.load(meta + _K_META_VSCALE)
     m_base = m_base + m_off
     v_base = v_base + v_off
-    m = _load_state(m_base, ms_base, ms_off, tab_m, eoff, coff, bidx, bmask, emask, cmask, M_CODEC, QBLOCK, EVEN, HW_CAST, LUT)
-    v = _load_state(v_base, vs_base, vs_off, tab_v, eoff, coff, bidx, bmask, emask, cmask, V_CODEC, QBLOCK, EVEN, HW_CAST, LUT)
+    m = _load_state(m_base, ms_base, ms_off, tab_m, eoff, coff, bidx, bmask, emask, cmask, M_CODEC, QBLOCK, EVEN, HW_CAST)
+    v = _load_state(v_base, vs_base, vs_off, tab_v, eoff, coff, bidx, bmask, emask, cmask, V_CODEC, QBLOCK, EVEN, HW_CAST)
 
     # ---- AdamW, fp32 -------------------------------------------------------------------
     if not DECOUPLED:
@@ -432,8 +409,8 @@ def _adamw_lowbit_kernel(
     else:
         p_new = p - upd
 
-    _store_state(m, m_base, ms_base, ms_off, tab_m, eoff, coff, bidx, bmask, emask, cmask, M_CODEC, NB, QBLOCK, EVEN, HW_CAST)
-    _store_state(v, v_base, vs_base, vs_off, tab_v, eoff, coff, bidx, bmask, emask, cmask, V_CODEC, NB, QBLOCK, EVEN, HW_CAST)
+    _store_state(m, m_base, ms_base, ms_off, tab_m, etab_m, eoff, coff, bidx, bmask, emask, cmask, M_CODEC, NB, QBLOCK, EVEN, HW_CAST)
+    _store_state(v, v_base, vs_base, vs_off, tab_v, etab_v, eoff, coff, bidx, bmask, emask, cmask, V_CODEC, NB, QBLOCK, EVEN, HW_CAST)
 
     # ---- weight write ------------------------------------------------------------------
     if not PARAM_BF16:
@@ -537,18 +514,16 @@ class FusedAdamW:
     """
 
     def __init__(self, cfg: AdamWConfig, tensors: Sequence[AdamWTensor],
-                 elems_per_program: int = DEFAULT_ELEMS_PER_PROGRAM, num_warps: int = DEFAULT_NUM_WARPS,
-                 decode_lut: bool = DEFAULT_DECODE_LUT):
+                 elems_per_program: int = DEFAULT_ELEMS_PER_PROGRAM, num_warps: int = DEFAULT_NUM_WARPS):
         if cfg.block & (cfg.block - 1) or cfg.block < 2:
             raise ValueError(f"block size must be a power of two >= 2, got {cfg.block}")
-        if not tensors:
-            raise ValueError("FusedAdamW needs at least one tensor")
+        if not tensors or len(tensors) > MAX_TENSORS_PER_LAUNCH:
+            raise ValueError(f"FusedAdamW takes 1 to {MAX_TENSORS_PER_LAUNCH} tensors, got {len(tensors)}")
         self.cfg = cfg
         self.tensors = list(tensors)
         t0 = tensors[0]
         self.device = t0.param.device
         self.num_warps = num_warps
-        self.decode_lut = decode_lut
         self.nb = max(1, elems_per_program // cfg.block)
         # Base pointers: the first tensor's buffer of each role (the param stands in for
         # roles a family does not use; the kernel never touches those).
@@ -572,15 +547,17 @@ class FusedAdamW:
             meta[slot, META_SR_ROW] = t.sr_row_stride
             meta[slot, META_SR_KEY] = t.sr_key
             aligned &= self.is_aligned(cfg, t)
-            if nblocks >= 2**31:
-                raise ValueError(f"tensor of {t.rows}x{t.cols} has too many blocks for int32 tile indices")
-            tiles.extend((slot, q0) for q0 in range(0, nblocks, self.nb))
+            ntiles = -(-nblocks // self.nb)
+            if ntiles >= 1 << TILE_BITS or t.rows * t.cols >= 2**31:
+                raise ValueError(f"a {t.rows}x{t.cols} tensor is too large for one launch (int32 indices)")
+            tiles.append(torch.arange(ntiles, dtype=torch.int32) | (slot << TILE_BITS))
         self.aligned = aligned
         self.even = all(self.is_even(cfg, t, self.nb) for t in tensors)
         self.meta = meta.to(self.device)
-        self.tiles = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 2).to(self.device)
-        self.n_programs = len(tiles)
+        self.tiles = torch.cat(tiles).to(self.device)
+        self.n_programs = self.tiles.numel()
         self.tables = codec_tables(str(self.device))
+        self.enc_tables = encode_tables(str(self.device))
         self._grad_ptrs: list[int] = []
         self._grad_base: Optional[torch.Tensor] = None
         self._grad_offsets = torch.zeros(len(tensors), dtype=torch.int64, device=self.device)
@@ -635,12 +612,12 @@ class FusedAdamW:
         lr_tensor = hyper.lr if lr_is_tensor else self.tables
         lr_value = 0.0 if lr_is_tensor else float(hyper.lr)
         _adamw_lowbit_kernel[(self.n_programs,)](
-            self.tiles, self.meta, self._grad_offsets, self.tables, lr_tensor,
+            self.tiles, self.meta, self._grad_offsets, self.tables, self.enc_tables, lr_tensor,
             self.bases[0], self._grad_base, *self.bases[1:],
             lr_value, s["inv_bc1"], s["inv_sqrt_bc2"], s["beta1"], s["one_minus_beta1"],
             s["beta2"], s["one_minus_beta2"], s["eps"], s["wd"], s["skey"],
             M_CODEC=cfg.m_codec, V_CODEC=cfg.v_codec, UPDATE=cfg.weight_update,
             DECOUPLED=cfg.decoupled, LR_IS_TENSOR=lr_is_tensor,
             ALIGNED=self.aligned, EVEN=self.even,
-            HW_CAST=not interpreting(), LUT=self.decode_lut, QBLOCK=cfg.block, NB=self.nb, num_warps=self.num_warps,
+            HW_CAST=not interpreting(), QBLOCK=cfg.block, NB=self.nb, num_warps=self.num_warps,
         )

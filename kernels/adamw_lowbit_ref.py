@@ -35,9 +35,11 @@ from .quant_maps import (
     MASK32,
     MIX_C1,
     MIX_C2,
-    TABLE_STRIDE,
+    TABLE_LUT,
+    TABLE_MID,
     codec_tables,
-    dyn_decode,
+    enc_bucket,
+    encode_tables,
 )
 
 _DYN = {CODEC_DYN8_SIGNED: (7, True), CODEC_DYN8_UNSIGNED: (8, False), CODEC_DYN4_SIGNED: (3, True)}
@@ -120,29 +122,18 @@ def bf16_stochastic(x: torch.Tensor, gidx: torch.Tensor, tkey: int, skey: int) -
 # ---------------------------------------------------------------------------------------
 # codecs
 # ---------------------------------------------------------------------------------------
-def _dyn_encode(x: torch.Tensor, tab: torch.Tensor, M: int, signed: bool) -> torch.Tensor:
+def _dyn_encode(x: torch.Tensor, codec: int, M: int, signed: bool) -> torch.Tensor:
     a = x.abs()
-    inf = torch.tensor(float("inf"))
-    t = [tab[j] if j < M else inf for j in range(8)]
-    if M > 4:
-        b2 = a > t[4]
-        b1 = a > torch.where(b2, t[6], t[2])
-        b0 = a > torch.where(b2, torch.where(b1, t[7], t[5]), torch.where(b1, t[3], t[1]))
-        k = b2.to(torch.int32) * 4 + b1.to(torch.int32) * 2 + b0.to(torch.int32)
-    else:
-        k = (a > t[1]).to(torch.int32) + (a > t[2]).to(torch.int32)
-    kl = k.long()
-    off = tab[TABLE_STRIDE + kl]
-    inv_step = tab[2 * TABLE_STRIDE + kl]
-    q = ((a - off) * inv_step + 0.5).to(torch.int32)
-    top = torch.ones_like(k) << k
-    p = top + torch.minimum(q, top) - 1
+    cand = encode_tables(str(x.device))[codec][enc_bucket(a)].to(torch.int64)
+    mid = codec_tables(str(x.device))[codec][TABLE_MID + cand]
+    p = (cand + (a > mid).to(torch.int64)).to(torch.int32)
     if signed:
         p = torch.where(x < 0, p | (1 << M), p)
     return p
 
 
-_dyn_decode = dyn_decode
+def _dyn_decode(code: torch.Tensor, codec: int) -> torch.Tensor:
+    return codec_tables(str(code.device))[codec][TABLE_LUT + code.to(torch.int64)]
 
 
 def _lin4_encode(x: torch.Tensor) -> torch.Tensor:
@@ -187,7 +178,7 @@ def encode(x: torch.Tensor, codec: int) -> torch.Tensor:
     if codec == CODEC_FP8_E4M3:
         return _fp8_encode(x)
     M, signed = _DYN[codec]
-    return _dyn_encode(x, codec_tables(str(x.device))[codec], M, signed)
+    return _dyn_encode(x, codec, M, signed)
 
 
 def decode(code: torch.Tensor, codec: int) -> torch.Tensor:
@@ -196,8 +187,7 @@ def decode(code: torch.Tensor, codec: int) -> torch.Tensor:
         return _lin4_decode(code)
     if codec == CODEC_FP8_E4M3:
         return _fp8_decode(code)
-    M, signed = _DYN[codec]
-    return _dyn_decode(code, codec_tables(str(code.device))[codec], M, signed)
+    return _dyn_decode(code, codec)
 
 
 # ---------------------------------------------------------------------------------------

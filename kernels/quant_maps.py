@@ -50,16 +50,29 @@ FP8_E4M3_MAX = 448.0
 DYN_MAGNITUDE_BITS = {CODEC_DYN8_SIGNED: 7, CODEC_DYN8_UNSIGNED: 8, CODEC_DYN4_SIGNED: 3}
 DYN_SIGNED = {CODEC_DYN8_SIGNED: True, CODEC_DYN8_UNSIGNED: False, CODEC_DYN4_SIGNED: True}
 
-# Layout of a dynamic-tree codec's constant table (float32, 4 * TABLE_STRIDE entries):
-#   [0:S)   thresholds: entry k (1 <= k < M) is 10**(k - M), the lower edge of decade k
-#   [S:2S)  encode offset of decade k (0 for k = 0, else 10**(k - M))
-#   [2S:3S) encode inverse step of decade k
-#   [3S:4S) decode step of decade k (value = offset + (f + 1) * step)
-#   [4S:4S+256) every code's decoded value, computed by dyn_decode below (the kernel's
-#           optional table-lookup decode; identical values to the arithmetic one)
+# Dynamic-tree codecs run on tables (both in the kernel and in the reference):
+#   decode: value = LUT[code]
+#   encode: a = |x|; cand = ENC[bucket(a)]; p = cand + (a > MID[cand]); sign bit on top
+# where bucket(a) is a's float32 exponent and top ENC_MANT_BITS mantissa bits, over the
+# ENC_OCTAVES octaves below 1.0 (smaller values share bucket 0), ENC[b] is the number of
+# midpoints MID[p] = (value(p) + value(p + 1)) / 2 below the bucket's lower edge, and every
+# bucket holds at most one midpoint (checked when the tables are built). So encode returns
+# exactly the nearest code (ties to the smaller magnitude), with two table reads instead of
+# a search. Layout of the float32 table of a codec (TABLE_SIZE entries):
+#   [0:S)       decade thresholds 10**(k - M), k >= 1 (table construction only)
+#   [S:2S)      offset of decade k
+#   [3S:4S)     step of decade k: value(p) = offset + (f + 1) * step, p = 2**k + f
+#   [LUT:+256)  value of every code (sign included)
+#   [MID:+256)  midpoint above every magnitude code (+inf above the largest)
 TABLE_STRIDE = 8
 TABLE_LUT = 4 * TABLE_STRIDE
-TABLE_SIZE = TABLE_LUT + 256
+TABLE_MID = TABLE_LUT + 256
+TABLE_SIZE = TABLE_MID + 256
+ENC_MANT_BITS = 8
+ENC_OCTAVES = 25
+ENC_SHIFT = 23 - ENC_MANT_BITS
+ENC_BASE = (127 - ENC_OCTAVES) << ENC_MANT_BITS  # bucket index of 2**-ENC_OCTAVES
+ENC_SIZE = ENC_OCTAVES << ENC_MANT_BITS
 
 
 def _dyn_decade(k: int, M: int) -> tuple[float, float]:
@@ -69,22 +82,8 @@ def _dyn_decade(k: int, M: int) -> tuple[float, float]:
     return 10.0 ** (k - M), 0.9 * 10.0 ** (k - M + 1) / 2**k
 
 
-def dyn_table(codec: int) -> torch.Tensor:
-    """The constant table of a dynamic-tree codec (float32, computed in float64 once)."""
-    M = DYN_MAGNITUDE_BITS[codec]
-    t = [0.0] * TABLE_SIZE
-    for k in range(M):
-        off, step = _dyn_decade(k, M)
-        if k >= 1:
-            t[k] = 10.0 ** (k - M)
-        t[TABLE_STRIDE + k] = off
-        t[2 * TABLE_STRIDE + k] = 1.0 / step
-        t[3 * TABLE_STRIDE + k] = step
-    return torch.tensor(t, dtype=torch.float64).to(torch.float32)
-
-
-def dyn_decode(code: torch.Tensor, tab: torch.Tensor, M: int, signed: bool) -> torch.Tensor:
-    """Decode dynamic-tree codes arithmetically in fp32 (the kernel's ``_dyn_decode`` twin)."""
+def dyn_decode_arith(code: torch.Tensor, tab: torch.Tensor, M: int, signed: bool) -> torch.Tensor:
+    """Decode dynamic-tree codes arithmetically in fp32: what fills the LUT."""
     c = code.to(torch.int32)
     p = c & ((1 << M) - 1)
     k = ((p.to(torch.float32).view(torch.int32) >> 23) & 0xFF) - 127
@@ -100,21 +99,59 @@ def dyn_decode(code: torch.Tensor, tab: torch.Tensor, M: int, signed: bool) -> t
     return val
 
 
+def enc_bucket(a: torch.Tensor) -> torch.Tensor:
+    """Bucket index (int64) of non-negative float32 values for the encode table."""
+    idx = (a.contiguous().view(torch.int32) >> ENC_SHIFT).to(torch.int64) - ENC_BASE
+    return idx.clamp(0, ENC_SIZE - 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _dyn_tables(codec: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 table, uint8 encode table) of a dynamic-tree codec."""
+    M = DYN_MAGNITUDE_BITS[codec]
+    signed = DYN_SIGNED[codec]
+    t = torch.zeros(TABLE_SIZE, dtype=torch.float64)
+    for k in range(M):
+        off, step = _dyn_decade(k, M)
+        if k >= 1:
+            t[k] = 10.0 ** (k - M)
+        t[TABLE_STRIDE + k] = off
+        t[3 * TABLE_STRIDE + k] = step
+    t = t.to(torch.float32)
+    n = 2 ** (M + 1) if signed else 2**M
+    t[TABLE_LUT:TABLE_LUT + n] = dyn_decode_arith(torch.arange(n), t, M, signed)
+    mags = t[TABLE_LUT:TABLE_LUT + 2**M].double()
+    mids = ((mags[:-1] + mags[1:]) / 2).float()
+    t[TABLE_MID:TABLE_MID + 2**M - 1] = mids
+    t[TABLE_MID + 2**M - 1:] = float("inf")
+    lower = ((torch.arange(ENC_SIZE, dtype=torch.int64) + ENC_BASE) << ENC_SHIFT).to(torch.int32).view(torch.float32)
+    upper = torch.cat([lower[1:], torch.tensor([2.0])])
+    enc = torch.searchsorted(mids, lower, right=False)  # #mids < lower edge
+    per_bucket = torch.searchsorted(mids, upper, right=False) - enc
+    if int(per_bucket.max()) > 1:
+        raise AssertionError(f"codec {codec}: an encode bucket holds {int(per_bucket.max())} midpoints")
+    return t, enc.to(torch.uint8)
+
+
 def codec_table(codec: int) -> torch.Tensor:
-    """Constant table of any codec (zeros for codecs that need none)."""
+    """Float32 constant table of a codec (zeros for codecs that need none)."""
     if codec not in DYN_MAGNITUDE_BITS:
         return torch.zeros(TABLE_SIZE, dtype=torch.float32)
-    t = dyn_table(codec)
-    M = DYN_MAGNITUDE_BITS[codec]
-    n = 2 ** (M + 1) if DYN_SIGNED[codec] else 2**M
-    t[TABLE_LUT:TABLE_LUT + n] = dyn_decode(torch.arange(n), t, M, DYN_SIGNED[codec])
-    return t
+    return _dyn_tables(codec)[0].clone()
 
 
 @functools.lru_cache(maxsize=None)
 def codec_tables(device: str) -> torch.Tensor:
     """All codec tables stacked as ``[n_codecs, TABLE_SIZE]`` float32 on ``device`` (cached)."""
     rows = [codec_table(c) for c in range(CODEC_FP8_E4M3 + 1)]
+    return torch.stack(rows).to(device)
+
+
+@functools.lru_cache(maxsize=None)
+def encode_tables(device: str) -> torch.Tensor:
+    """All encode tables stacked as ``[n_codecs, ENC_SIZE]`` uint8 on ``device`` (cached)."""
+    rows = [_dyn_tables(c)[1] if c in DYN_MAGNITUDE_BITS else torch.zeros(ENC_SIZE, dtype=torch.uint8)
+            for c in range(CODEC_FP8_E4M3 + 1)]
     return torch.stack(rows).to(device)
 
 
