@@ -62,3 +62,24 @@ def test_checkpoint_reshards_exactly_and_training_continues(two_process_checkpoi
     # that lost its state would start over near the fresh loss of ~8.1).
     for step in resumed:
         assert float(resumed[step]) < float(losses_2proc[2]), (resumed, losses_2proc)
+
+
+@pytest.mark.parametrize("override,expect", [
+    (("--optimizer.name", "AdamW8bit"), ["state_format='4bit'", "state_format='8bit'"]),
+    (("--lowbit.block_size", "64"), ["block_size=0", "block_size=64"]),
+    (("--lowbit.weight_dtype", "auto"), ["torch.bfloat16", "torch.float32"]),
+])
+def test_resume_with_another_configuration_stops_naming_both(two_process_checkpoint, override,
+                                                               expect, tmp_path):
+    dump, _, overrides = two_process_checkpoint
+    resumed_dump = tmp_path / "resumed"
+    (resumed_dump / "checkpoint").mkdir(parents=True)
+    os.symlink(dump / "checkpoint" / f"step-{SAVE_STEP}",
+               resumed_dump / "checkpoint" / f"step-{SAVE_STEP}")
+    proc = run_train(*overrides, "--job.dump_folder", str(resumed_dump), *override,
+                     "--training.steps", str(SAVE_STEP + 2), check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and not step_losses(out)
+    assert "does not match this run" in out, out[-3000:]
+    for text in expect:
+        assert text in out, out[-3000:]
