@@ -299,6 +299,10 @@ class LowBitAdamW(torch.optim.Optimizer):
         if g.is_sparse or (isinstance(g, DTensor) and g._local_tensor.is_sparse):
             raise RuntimeError(f"param '{name}' has a sparse gradient; LowBitAdamW needs dense gradients "
                                "(e.g. nn.Embedding(sparse=False))")
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+            # Tensor parallel can leave a gradient Replicate/Partial where its parameter is
+            # Shard (e.g. a row-wise parallel embedding); the update needs the param's shard.
+            g = g.redistribute(p.device_mesh, p.placements)
         lg = _local(g)
         if lg.dtype not in SUPPORTED_PARAM_DTYPES:
             raise TypeError(f"param '{name}' has a {lg.dtype} gradient; use float32 or bfloat16 gradients")
