@@ -1,0 +1,44 @@
+"""Tensor parallel and 2-D (FSDP2 x TP) training through torchtitan on gloo processes,
+with every low-bit state format."""
+
+import pytest
+
+from conftest import run_train, step_losses
+
+STEPS = 3
+
+
+def train(tmp_path, *overrides, nproc=2, check=True):
+    return run_train("--training.steps", str(STEPS), "--validation.freq", "1000",
+                     "--lr_scheduler.total_steps", "8", "--job.dump_folder", str(tmp_path),
+                     *overrides, nproc=nproc, check=check)
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW8bit", "AdamW4bit", "AdamWFp8"])
+def test_tensor_parallel_trains_with_every_format(optimizer, tmp_path, prepared_data):
+    # debugmodel's attention.wo / feed_forward.w2 are 256 wide and split in 2 along their
+    # last dimension: blocks of 128 keep every quantization block inside one shard.
+    proc = train(tmp_path, "--parallelism.tensor_parallel_degree", "2",
+                 "--optimizer.name", optimizer, "--lowbit.block_size", "128")
+    losses = {s: float(l) for s, l in step_losses(proc.stdout).items()}
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert losses[STEPS] < losses[1] - 0.4, losses
+
+
+def test_tensor_parallel_split_block_is_a_start_up_error(tmp_path, prepared_data):
+    proc = train(tmp_path, "--parallelism.tensor_parallel_degree", "2",
+                 "--optimizer.name", "AdamW8bit", check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and not step_losses(out)
+    assert "layers.0.attention.wo.weight" in out and "block_size=128" in out, out[-3000:]
+
+
+def test_fsdp_x_tensor_parallel_on_four_processes(tmp_path, prepared_data):
+    proc = train(tmp_path, "--parallelism.tensor_parallel_degree", "2",
+                 "--parallelism.data_parallel_shard_degree", "2",
+                 "--optimizer.name", "AdamW4bit", "--lowbit.block_size", "128",
+                 "--lowbit.weight_dtype", "bfloat16", "--lowbit.weight_update", "stochastic",
+                 nproc=4)
+    losses = {s: float(l) for s, l in step_losses(proc.stdout).items()}
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert losses[STEPS] < losses[1] - 0.4, losses
