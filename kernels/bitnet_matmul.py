@@ -18,6 +18,7 @@ dx = dy^ W (a = dy codes, b = W codes transposed).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -153,10 +154,15 @@ def _check(a, b, a_scale, b_scale, out_dtype):
                         f"{[str(d) for d in OUT_DTYPES]}")
 
 
+@functools.lru_cache(maxsize=None)
+def _has_tma(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 def _tma_ok(*ts: torch.Tensor) -> bool:
     # TMA wants 16-byte-aligned bases and row strides, and a Hopper-or-newer GPU.
     if os.environ.get("TRITON_INTERPRET") != "1":
-        if not ts[0].is_cuda or torch.cuda.get_device_capability(ts[0].device)[0] < 9:
+        if not ts[0].is_cuda or not _has_tma(ts[0].device.index or 0):
             return False
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in ts)
 

@@ -165,6 +165,35 @@ def _linear_rows(tokens, k, n, dev, ceil, with_torchao):
     return row
 
 
+def host_overhead(k, n, dev, tokens=16, iters=200) -> dict:
+    """Host time per forward+backward of one layer: wall time per iteration at a token
+    count small enough that the GPU idles, with one synchronization at the end. When a
+    model's layers are small this bounds the step time from below (host-bound)."""
+    from titan_lowbit.bitnet import BitNetTernaryWeight, BitNetTrainingWeight
+    from titan_lowbit.kernels import bitnet_quant as bq
+
+    x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, n, device=dev, dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device=dev) * k**-0.5).to(torch.bfloat16).requires_grad_()
+    g = bq.absmean_scale_reference(w.detach())
+    weights = {
+        "bf16": w,
+        "bitnet": BitNetTernaryWeight(bq.ternarize(w.detach(), g), g, torch.bfloat16).requires_grad_(),
+        "bitnet_wq": nn.Parameter(BitNetTrainingWeight(w.detach().clone())),
+    }
+    out = {"shape": f"{k}->{n}", "tokens": tokens}
+    for name, weight in weights.items():
+        for i in range(iters + 20):
+            if i == 20:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+            F.linear(x, weight).backward(dy)
+            x.grad = weight.grad = None
+        torch.cuda.synchronize()
+        out[f"{name}_host_us"] = (time.perf_counter() - t0) / iters * 1e6
+    return out
+
+
 def allgather_bytes(flavor: str, filter_fqns=("output",)) -> dict:
     """Per-step FSDP2 all-gather payload (all ranks' shards together) for a llama3 flavor.
 
@@ -299,6 +328,7 @@ def main():
                     help="comma-separated INxOUT")
     ap.add_argument("--no-torchao", action="store_true")
     ap.add_argument("--allgather-only", action="store_true")
+    ap.add_argument("--host-only", action="store_true", help="only the host-overhead timing")
     ap.add_argument("--measure-gloo", action="store_true",
                     help="also count real FSDP2 all-gather bytes on 2 gloo processes (debug model)")
     ap.add_argument("--json", help="write all numbers here")
@@ -325,6 +355,14 @@ def main():
             sys.exit("bench_bitnet.py: the linear benchmark needs a GPU (use --allgather-only on CPU)")
         dev = torch.device("cuda")
         out["device"] = torch.cuda.get_device_name(dev)
+        if args.host_only:
+            out["host"] = [host_overhead(k, n, dev) for k, n in SHAPES]
+            for h in out["host"]:
+                print(json.dumps(h))
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(out, f, indent=1)
+            return
         ceil = _ceilings(dev)
         out["ceilings"] = ceil
         rows = []
@@ -333,6 +371,9 @@ def main():
             rows.append(_linear_rows(args.tokens, k, n, dev, ceil, not args.no_torchao))
             print(json.dumps(rows[-1]), flush=True)
         out["linear"] = rows
+        out["host"] = [host_overhead(k, n, dev) for k, n in SHAPES]
+        for h in out["host"]:
+            print(json.dumps(h))
         print(f"\ndevice {out['device']}, torch {out['torch']}, triton {out['triton']}, {out['date_utc']} UTC")
         print(_table(rows, ceil))
     if args.json:

@@ -1,9 +1,10 @@
 """BitNet b1.58 linear: custom ops over the kernels, and the straight-through autograd.
 
-Every kernel is wrapped as a ``torch.library`` custom op with a fake (meta) kernel, so
-torch.compile sees one opaque node per kernel instead of tracing into Triton launch code,
-and the ops run on CUDA through the Triton kernels and on every other device through the
-pure-PyTorch references of the same math (the design's CPU path).
+The kernels run inside three ``torch.library`` custom ops with fake (meta) kernels
+(weight quantization, forward, backward), so torch.compile sees opaque nodes instead of
+tracing into Triton launch code, and the ops run on CUDA through the Triton kernels and
+on every other device through the pure-PyTorch references of the same math (the
+design's CPU path).
 
 Forward of ``y = x W^T + b`` (x: [..., K], W: [N, K]):
     x codes, s_x = row-wise abs-max int8 of x            (one fused kernel)
@@ -32,51 +33,76 @@ def _on_gpu(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
 
 
-@torch.library.custom_op("titan_lowbit::bitnet_quantize_rows", mutates_args=())
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row-wise abs-max int8 codes and fp32 row scales of a 2-D tensor."""
+# Device dispatch: Triton kernels on CUDA, references of the same math elsewhere.
+def _quantize_rows(x):
     return (_q.quantize_rows if _on_gpu(x) else _q.quantize_rows_reference)(x)
 
 
-@quantize_rows.register_fake
-def _(x):
-    return (x.new_empty(x.shape, dtype=torch.int8),
-            x.new_empty((x.shape[0],), dtype=torch.float32))
-
-
-@torch.library.custom_op("titan_lowbit::bitnet_dequantize_rows", mutates_args=())
-def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """q * scale[:, None] in ``dtype``."""
+def _dequantize_rows(q, scale, dtype):
     return (_q.dequantize_rows if _on_gpu(q) else _q.dequantize_rows_reference)(q, scale, dtype)
 
 
-@dequantize_rows.register_fake
-def _(q, scale, dtype):
-    return q.new_empty(q.shape, dtype=dtype)
-
-
-@torch.library.custom_op("titan_lowbit::bitnet_int8_mm", mutates_args=())
-def int8_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
-            out_dtype: torch.dtype) -> torch.Tensor:
-    """(a @ b.T) * a_scale[:, None] * b_scale for int8 a [M, K], b [N, K]."""
+def _int8_mm(a, b, a_scale, b_scale, out_dtype):
     fn = _mm.int8_matmul_scaled if _on_gpu(a) else _mm.int8_matmul_scaled_reference
     return fn(a, b, a_scale, b_scale, out_dtype)
 
 
-@int8_mm.register_fake
-def _(a, b, a_scale, b_scale, out_dtype):
-    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+# Three coarse custom ops per layer (weight quantization, forward, backward) rather than
+# one per kernel: each custom-op call costs host time in the dispatcher, and at 1B-model
+# sizes a step issues hundreds of them.
 
 
-@torch.library.custom_op("titan_lowbit::bitnet_ternarize", mutates_args=())
-def ternarize(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """int8 ternary codes of a 2-D weight for its tensor scale."""
-    return (_q.ternarize if _on_gpu(w) else _q.ternarize_reference)(w, scale)
+@torch.library.custom_op("titan_lowbit::bitnet_quantize_weight", mutates_args=())
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ternary codes (int8) and abs-mean scale (fp32, 0-d) of an unsharded 2-D weight."""
+    scale = absmean_scale(w)
+    return (_q.ternarize if _on_gpu(w) else _q.ternarize_reference)(w, scale), scale
 
 
-@ternarize.register_fake
-def _(w, scale):
-    return w.new_empty(w.shape, dtype=torch.int8)
+@quantize_weight.register_fake
+def _(w):
+    return w.new_empty(w.shape, dtype=torch.int8), w.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("titan_lowbit::bitnet_linear_forward", mutates_args=())
+def linear_forward(x: torch.Tensor, w_codes: torch.Tensor,
+                   w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """y = (x codes @ W codes^T) * s_x * g for 2-D x; also returns x's codes and row scales."""
+    x_codes, x_scale = _quantize_rows(x)
+    return _int8_mm(x_codes, w_codes, x_scale, w_scale, x.dtype), x_codes, x_scale
+
+
+@linear_forward.register_fake
+def _(x, w_codes, w_scale):
+    return (x.new_empty((x.shape[0], w_codes.shape[0])), x.new_empty(x.shape, dtype=torch.int8),
+            x.new_empty((x.shape[0],), dtype=torch.float32))
+
+
+@torch.library.custom_op("titan_lowbit::bitnet_linear_backward", mutates_args=())
+def linear_backward(dy: torch.Tensor, x_codes: torch.Tensor, x_scale: torch.Tensor,
+                    w_codes: torch.Tensor, w_scale: torch.Tensor, int8_backward: bool,
+                    need_dx: bool, need_dw: bool,
+                    dw_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dW) of the straight-through BitNet linear for 2-D dy; an empty tensor stands
+    for a gradient that is not needed."""
+    dx = dw = dy.new_empty((0,))
+    if need_dx:
+        if int8_backward:
+            dy_codes, dy_scale = _quantize_rows(dy)
+            # K-major copy of the ternary weight for the int8 tensor cores ([K, N]).
+            dx = _int8_mm(dy_codes, w_codes.t().contiguous(), dy_scale, w_scale, dy.dtype)
+        else:
+            dx = dy @ (w_codes.to(torch.float32) * w_scale).to(dy.dtype)
+    if need_dw:
+        dw = (dy.t() @ _dequantize_rows(x_codes, x_scale, dy.dtype)).to(dw_dtype)
+    return dx, dw
+
+
+@linear_backward.register_fake
+def _(dy, x_codes, x_scale, w_codes, w_scale, int8_backward, need_dx, need_dw, dw_dtype):
+    dx = dy.new_empty(x_codes.shape) if need_dx else dy.new_empty((0,))
+    dw = dy.new_empty(w_codes.shape, dtype=dw_dtype) if need_dw else dy.new_empty((0,))
+    return dx, dw
 
 
 def absmean_scale(w: torch.Tensor) -> torch.Tensor:
@@ -111,10 +137,7 @@ class BitNetLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, w_codes, w_scale, bias, int8_backward: bool):
-        in_features = x.shape[-1]
-        x2 = x.reshape(-1, in_features)
-        x_codes, x_scale = quantize_rows(x2)
-        y = int8_mm(x_codes, w_codes, x_scale, w_scale, x.dtype)
+        y, x_codes, x_scale = linear_forward(x.reshape(-1, x.shape[-1]), w_codes, w_scale)
         if bias is not None:
             y = y + bias.to(y.dtype)
         ctx.save_for_backward(x_codes, x_scale, w_codes, w_scale)
@@ -129,22 +152,14 @@ class BitNetLinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x_codes, x_scale, w_codes, w_scale = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            if ctx.int8_backward:
-                dy_codes, dy_scale = quantize_rows(dy2)
-                # K-major copy of the ternary weight for the int8 tensor cores ([K, N]).
-                dx = int8_mm(dy_codes, w_codes.t().contiguous(), dy_scale, w_scale, dy.dtype)
-            else:
-                w_hat = (w_codes.to(torch.float32) * w_scale).to(dy.dtype)
-                dx = dy2 @ w_hat
-            dx = dx.view(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            x_hat = dequantize_rows(x_codes, x_scale, dy.dtype)
-            dw = (dy2.t() @ x_hat).to(ctx.weight_dtype)
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx, dw = linear_backward(dy2, x_codes, x_scale, w_codes, w_scale, ctx.int8_backward,
+                                 need_dx, need_dw, ctx.weight_dtype)
+        db = None
         if ctx.bias_dtype is not None and ctx.needs_input_grad[4]:
             db = dy2.sum(dim=0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, None, None, db, None
+        return (dx.view(ctx.x_shape) if need_dx else None, dw if need_dw else None,
+                None, None, db, None)
 
 
 def bitnet_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

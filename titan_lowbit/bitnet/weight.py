@@ -67,8 +67,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         codes, scale, int8_bwd = weight._codes, weight._scale, weight._int8_backward
     else:
         latent = weight._data
-        scale = ops.absmean_scale(latent)
-        codes = ops.ternarize(latent, scale)
+        codes, scale = ops.quantize_weight(latent)
         int8_bwd = weight._int8_backward
     return ops.BitNetLinearFunction.apply(x, weight, codes, scale, bias, int8_bwd)
 
