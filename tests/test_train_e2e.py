@@ -17,17 +17,17 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import run_train, step_losses
 
-STEPS = 8
+STEPS = 6
 HALF = STEPS // 2
 
-# (optimizer name, [lowbit] weight_dtype, [lowbit] weight_update)
+# (optimizer name, [lowbit] weight_dtype, [lowbit] weight_update): every state format
+# (fp32 via torch and via titan_lowbit's kahan path, 8-bit, 4-bit, fp8) and every BF16
+# update rule, each at least once, within CI's time.
 VARIANTS = [
     ("AdamW", "auto", "nearest"),          # torch's AdamW, as torchtitan builds it
-    ("AdamW8bit", "auto", "nearest"),
-    ("AdamW4bit", "auto", "nearest"),
     ("AdamWFp8", "auto", "nearest"),
     ("AdamW8bit", "bfloat16", "stochastic"),
-    ("AdamW", "bfloat16", "kahan"),
+    ("AdamW", "bfloat16", "kahan"),        # titan_lowbit's AdamW, fp32 state
     ("AdamW4bit", "bfloat16", "master"),
 ]
 STATE_BYTES = re.compile(r"optimizer state ([0-9.]+) B/param")
