@@ -73,8 +73,19 @@ META_COLS, META_BPR, META_NBLOCKS, META_CODE_ROW, META_SR_BASE, META_SR_ROW, MET
 META_STRIDE = 16
 
 # Elements one program handles (several quantization blocks); tuned on an H100.
-DEFAULT_ELEMS_PER_PROGRAM = 1024
-DEFAULT_NUM_WARPS = 4
+# Launch shape (elements per program, warps), measured on an H100 (docs/optimizer.md):
+# quantized formats are bound by their codec arithmetic and like small programs; plain
+# fp32/bf16 states are bound by memory and like bigger ones.
+LAUNCH_QUANTIZED = (1024, 4)
+LAUNCH_PLAIN = (2048, 8)
+
+
+def launch_shape(cfg: "AdamWConfig", elems_per_program: Optional[int] = None,
+                 num_warps: Optional[int] = None) -> tuple[int, int]:
+    """The (elements per program, warps) a family launches with; None = the default."""
+    elems, warps = LAUNCH_PLAIN if cfg.m_codec == CODEC_NONE else LAUNCH_QUANTIZED
+    return elems_per_program or elems, num_warps or warps
+
 # A tile-table entry is one int32: (tensor slot << TILE_BITS) | tile index in the tensor.
 TILE_BITS = 21
 MAX_TENSORS_PER_LAUNCH = 1 << (31 - TILE_BITS)
@@ -514,7 +525,7 @@ class FusedAdamW:
     """
 
     def __init__(self, cfg: AdamWConfig, tensors: Sequence[AdamWTensor],
-                 elems_per_program: int = DEFAULT_ELEMS_PER_PROGRAM, num_warps: int = DEFAULT_NUM_WARPS):
+                 elems_per_program: Optional[int] = None, num_warps: Optional[int] = None):
         if cfg.block & (cfg.block - 1) or cfg.block < 2:
             raise ValueError(f"block size must be a power of two >= 2, got {cfg.block}")
         if not tensors or len(tensors) > MAX_TENSORS_PER_LAUNCH:
@@ -523,7 +534,7 @@ class FusedAdamW:
         self.tensors = list(tensors)
         t0 = tensors[0]
         self.device = t0.param.device
-        self.num_warps = num_warps
+        elems_per_program, self.num_warps = launch_shape(cfg, elems_per_program, num_warps)
         self.nb = max(1, elems_per_program // cfg.block)
         # Base pointers: the first tensor's buffer of each role (the param stands in for
         # roles a family does not use; the kernel never touches those).
@@ -579,10 +590,10 @@ class FusedAdamW:
 
     @classmethod
     def variant(cls, cfg: AdamWConfig, t: AdamWTensor, grad: Optional[torch.Tensor] = None,
-                elems_per_program: int = DEFAULT_ELEMS_PER_PROGRAM) -> tuple[bool, bool]:
+                elems_per_program: Optional[int] = None) -> tuple[bool, bool]:
         """(aligned, even): the compile-time variant a tensor can join. Callers split a
         family by variant so that one ragged tensor does not slow down all the others."""
-        nb = max(1, elems_per_program // cfg.block)
+        nb = max(1, launch_shape(cfg, elems_per_program)[0] // cfg.block)
         return cls.is_aligned(cfg, t, grad), cls.is_even(cfg, t, nb)
 
     def _upload_grads(self, grads: Sequence[torch.Tensor]) -> None:

@@ -17,7 +17,6 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from titan_lowbit.kernels.adamw_lowbit import (
-    DEFAULT_ELEMS_PER_PROGRAM,
     MAX_TENSORS_PER_LAUNCH,
     UPDATE_NEAREST,
     WEIGHT_UPDATES,
@@ -409,7 +408,7 @@ class LowBitAdamW(torch.optim.Optimizer):
             return
         tensors = [self._kernel_tensor(p, cfg) for p in params]
         variants: dict[tuple[bool, bool], list[int]] = {}
-        elems = self.launch_options.get("elems_per_program", DEFAULT_ELEMS_PER_PROGRAM)
+        elems = self.launch_options.get("elems_per_program")
         for i, t in enumerate(tensors):
             variants.setdefault(FusedAdamW.variant(cfg, t, grads[i], elems), []).append(i)
         plans = [(FusedAdamW(cfg, [tensors[i] for i in sel[c:c + MAX_TENSORS_PER_LAUNCH]], **self.launch_options),
