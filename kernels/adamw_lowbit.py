@@ -1,9 +1,9 @@
 """Fused multi-tensor AdamW with low-bit optimizer states, in Triton.
 
-One launch steps MANY tensors: a tile table lists, per program, (tensor slot, first
-quantization block); a metadata table lists, per tensor slot, its pointers and layout. A
-model of 200 tensors costs one launch per *family* (same state format, weight update and
-dtypes), not one per tensor.
+One launch steps MANY tensors: a tile table lists, per program, one int32
+``(tensor slot << TILE_BITS) | tile``; a metadata table lists, per tensor slot, its buffer
+offsets and layout. A model of 200 tensors costs one launch per *family* (same state
+format, weight update, dtypes and param group), not one per tensor.
 
 Math, per element, all in fp32 (llm.c style; names as in the code)::
 
@@ -27,9 +27,12 @@ Math, per element, all in fp32 (llm.c style; names as in the code)::
               bf16, MASTER:        the math above runs on the fp32 master w; w = p_new; p = bf16_rne(w)
 
 The pure-PyTorch twin of this kernel is ``adamw_lowbit_ref.py``; both use the codec tables of
-``quant_maps.py``. Divisions and square roots are correctly rounded (``div_rn``/``sqrt_rn``)
-and bf16 rounding is done in integer arithmetic, so under ``TRITON_INTERPRET=1`` kernel and
-reference agree bit for bit; on a GPU the compiler may fuse multiply-adds (1-ulp differences).
+``quant_maps.py`` (dynamic-tree codes: value table to decode, bucket table + one midpoint
+compare to encode). Under ``TRITON_INTERPRET=1`` (numpy: exact division and sqrt, no fused
+multiply-adds) and with the bf16/fp8 roundings done in integer arithmetic (``HW_CAST`` off),
+kernel and reference agree bit for bit. On a GPU the kernel uses the hardware casts (same
+rounding: nearest even), the fast division/sqrt, and the compiler fuses multiply-adds: values
+agree to an ulp, and a code can differ by one step where a value sits on a rounding boundary.
 """
 
 from __future__ import annotations
