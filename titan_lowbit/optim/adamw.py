@@ -380,12 +380,17 @@ class LowBitAdamW(torch.optim.Optimizer):
                                eps=group["eps"], weight_decay=group["weight_decay"], step=step)
             params = [entries[i][0] for i in idx]
             fam_grads = [grads[i] for i in idx]
-            if _local(params[0]).is_cuda:
+            if self._use_fused(_local(params[0])):
                 self._step_fused(key, cfg, params, fam_grads, hyper)
             else:
                 tensors = [self._kernel_tensor(p, cfg) for p in params]
                 adamw_step_reference(cfg, tensors, fam_grads, hyper)
         return loss
+
+    @staticmethod
+    def _use_fused(t: torch.Tensor) -> bool:
+        """The fused Triton kernel runs on CUDA tensors; the PyTorch reference elsewhere."""
+        return t.is_cuda
 
     def _family_key(self, p: torch.Tensor, grad: torch.Tensor, gi: int) -> tuple:
         group = self.param_groups[gi]
