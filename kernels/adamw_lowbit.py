@@ -599,28 +599,33 @@ class FusedAdamW:
         nb = max(1, launch_shape(cfg, elems_per_program)[0] // cfg.block)
         return cls.is_aligned(cfg, t, grad), cls.is_even(cfg, t, nb)
 
-    def _upload_grads(self, grads: Sequence[torch.Tensor]) -> None:
+    def _upload_grads(self, grads: Sequence[torch.Tensor]) -> bool:
+        """Point the plan at this step's gradients; False if they break its alignment."""
         ptrs = [g.data_ptr() for g in grads]
         if ptrs == self._grad_ptrs:
-            return
-        offs = [_elem_offset(g, grads[0]) for g in grads]
-        if self.aligned and any(o % 16 for o in offs):
-            raise ValueError("gradients are not 64-byte aligned relative to each other; "
-                             "the optimizer rebuilds its launch plan for such gradients")
+            return True
+        if self.aligned and any(p % 64 for p in ptrs):
+            return False
+        esize = grads[0].element_size()
+        offs = [(p - ptrs[0]) // esize for p in ptrs]
         host = torch.tensor(offs, dtype=torch.int64)
         if self.device.type == "cuda":
             host = host.pin_memory()
         self._grad_offsets.copy_(host, non_blocking=True)
         self._grad_ptrs = ptrs
         self._grad_base = grads[0]
+        return True
 
     def grads_fit(self, grads: Sequence[torch.Tensor]) -> bool:
         """Whether these gradients can use this plan (alignment of their relative offsets)."""
         return not self.aligned or all(g.data_ptr() % 64 == 0 for g in grads)
 
-    def step(self, grads: Sequence[torch.Tensor], hyper: AdamWHyper) -> None:
+    def step(self, grads: Sequence[torch.Tensor], hyper: AdamWHyper) -> bool:
+        """Launch the step; returns False (and launches nothing) if the gradients' alignment
+        does not fit this plan, so the caller can build one that fits."""
         cfg = self.cfg
-        self._upload_grads(grads)
+        if not self._upload_grads(grads):
+            return False
         s = hyper_scalars(hyper)
         lr_is_tensor = isinstance(hyper.lr, torch.Tensor)
         lr_tensor = hyper.lr if lr_is_tensor else self.tables
@@ -635,3 +640,4 @@ class FusedAdamW:
             ALIGNED=self.aligned, EVEN=self.even,
             HW_CAST=not interpreting(), QBLOCK=cfg.block, NB=self.nb, num_warps=self.num_warps,
         )
+        return True

@@ -9,8 +9,10 @@ Triton kernel on CUDA, its op-for-op PyTorch reference elsewhere.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import operator
 from typing import Any, Iterable, Optional
 
 import torch
@@ -90,7 +92,10 @@ class LowBitAdamW(torch.optim.Optimizer):
         self._names: dict[torch.Tensor, str] = {}
         self._order: dict[torch.Tensor, int] = {}
         self._plans: dict[tuple, list[FusedAdamW]] = {}
-        self._steps: dict[torch.Tensor, int] = {}
+        # The step counts of all parameters live in one CPU tensor; each state["step"] is a
+        # 0-d view of it, so a step bumps them all with one op (rebuilt with the step plan).
+        self._steps_buf: Optional[torch.Tensor] = None
+        self._step_plan: Optional[_StepPlan] = None
         # Launch shape of the fused kernel (FusedAdamW's elems_per_program, num_warps);
         # empty = the kernel's tuned defaults. For benchmarks and tuning only.
         self.launch_options: dict[str, int] = {}
@@ -115,6 +120,7 @@ class LowBitAdamW(torch.optim.Optimizer):
             self._check_param(p, group)
         self._init_states(group["params"], group)
         self._plans.clear()
+        self._step_plan = None
 
     def _name(self, p: torch.Tensor) -> str:
         return self._names.get(p, f"parameter of shape {tuple(p.shape)}")
@@ -226,7 +232,6 @@ class LowBitAdamW(torch.optim.Optimizer):
             self.state[p][key] = self._wrap(p, local, gshape)
         for p in todo:
             self.state[p]["step"] = torch.tensor(0.0)
-            self._steps[p] = 0
 
     @staticmethod
     def _wrap(p: torch.Tensor, local: torch.Tensor, global_shape: tuple[int, ...]) -> torch.Tensor:
@@ -267,6 +272,7 @@ class LowBitAdamW(torch.optim.Optimizer):
             self.state[p] = {k: (v if k == "step" or not isinstance(v, torch.Tensor) else v.to(device=p.device))
                              for k, v in st.items()}
         self._plans.clear()
+        self._step_plan = None
         for gi, group in enumerate(self.param_groups):
             self._check_group(group, gi)
             for p in group["params"]:
@@ -287,7 +293,6 @@ class LowBitAdamW(torch.optim.Optimizer):
                 "load with the optimizer settings the checkpoint was saved with")
         if "step" not in state:
             state["step"] = torch.tensor(0.0)
-        self._steps[p] = int(state["step"].item())
 
     # ------------------------------------------------------------------------------------
     # the step
@@ -344,83 +349,109 @@ class LowBitAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
-        entries = []  # (param, group index)
-        for gi, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                if p.grad is not None:
-                    entries.append((p, gi))
-        if not entries:
+        with_grad = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if not with_grad:
             return loss
-        grads = [self._check_grad(p) for p, _ in entries]
+        plan = self._step_plan
+        if plan is None or not plan.same_params(with_grad):
+            plan = self._step_plan = self._build_step_plan(with_grad)
+        grads = plan.local_grads(self)
 
         if self.nonfinite_grad != "ignore":
-            bad = self._nonfinite_param([p for p, _ in entries], grads)
+            bad = self._nonfinite_param(plan.params, grads)
             if bad is not None:
                 where = f"param '{bad}'" if bad else "a parameter on another rank"
                 if self.nonfinite_grad == "raise":
                     raise FloatingPointError(
                         f"non-finite gradient (inf/nan) in {where} before optimizer step "
-                        f"{self._steps[entries[0][0]] + 1}; fix the loss scale / learning rate, or build the "
-                        "optimizer with nonfinite_grad='skip' to skip such steps")
+                        f"{int(self.state[plan.params[0]]['step']) + 1}; fix the loss scale / learning rate, "
+                        "or build the optimizer with nonfinite_grad='skip' to skip such steps")
                 self.skipped_steps += 1
                 logger.warning(f"LowBitAdamW: skipped a step with a non-finite gradient in {where} "
                                f"({self.skipped_steps} skipped so far)")
                 return loss
 
-        families: dict[tuple, list[int]] = {}
-        for i, (p, gi) in enumerate(entries):
-            self._steps[p] += 1
-            families.setdefault(self._family_key(p, grads[i], gi), []).append(i)
-        torch._foreach_add_([self.state[p]["step"] for p, _ in entries], 1.0)
-
-        for key, idx in families.items():
-            gi, cfg, step = key[0], key[1], key[2]
-            group = self.param_groups[gi]
+        if plan.all_params:
+            self._steps_buf.add_(1.0)
+        else:
+            self._steps_buf.index_add_(0, plan.step_index, torch.ones(len(plan.params)))
+        for fam in plan.families:
+            fam.step += 1
+            group = self.param_groups[fam.group]
             hyper = AdamWHyper(lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
-                               eps=group["eps"], weight_decay=group["weight_decay"], step=step)
-            params = [entries[i][0] for i in idx]
-            fam_grads = [grads[i] for i in idx]
-            if self._use_fused(_local(params[0])):
-                self._step_fused(key, cfg, params, fam_grads, hyper)
+                               eps=group["eps"], weight_decay=group["weight_decay"], step=fam.step)
+            fam_grads = [grads[i] for i in fam.index]
+            if self._use_fused(_local(fam.params[0])):
+                self._step_fused(fam, fam_grads, hyper)
             else:
-                tensors = [self._kernel_tensor(p, cfg) for p in params]
-                adamw_step_reference(cfg, tensors, fam_grads, hyper)
+                tensors = [self._kernel_tensor(p, fam.cfg) for p in fam.params]
+                adamw_step_reference(fam.cfg, tensors, fam_grads, hyper)
         return loss
+
+    def _build_step_plan(self, with_grad: list[torch.Tensor]) -> "_StepPlan":
+        """Validate the gradients fully and group the parameters into launch families.
+        Rebuilt only when the set of parameters with gradients changes (or on load)."""
+        grads = [self._check_grad(p) for p in with_grad]
+        all_params = [p for group in self.param_groups for p in group["params"]]
+        position = {p: i for i, p in enumerate(all_params)}
+        steps = [float(self.state[p]["step"]) for p in all_params]
+        self._steps_buf = torch.tensor(steps, dtype=torch.float32)
+        for i, p in enumerate(all_params):
+            self.state[p]["step"] = self._steps_buf[i]
+        group_of = {p: gi for gi, group in enumerate(self.param_groups) for p in group["params"]}
+        families: dict[tuple, _Family] = {}
+        for i, (p, g) in enumerate(zip(with_grad, grads)):
+            gi = group_of[p]
+            key = (gi, self._kernel_config(p, g, gi), _local(p).device, int(steps[position[p]]))
+            fam = families.setdefault(key, _Family(gi, key[1], key[3], [], []))
+            fam.index.append(i)
+            fam.params.append(p)
+        return _StepPlan(
+            params=list(with_grad),
+            expect=[(g.dtype, g.shape) for g in grads],
+            families=list(families.values()),
+            all_params=len(with_grad) == len(all_params),
+            step_index=torch.tensor([position[p] for p in with_grad], dtype=torch.int64),
+        )
 
     @staticmethod
     def _use_fused(t: torch.Tensor) -> bool:
         """The fused Triton kernel runs on CUDA tensors; the PyTorch reference elsewhere."""
         return t.is_cuda
 
-    def _family_key(self, p: torch.Tensor, grad: torch.Tensor, gi: int) -> tuple:
+    def _kernel_config(self, p: torch.Tensor, grad: torch.Tensor, gi: int) -> AdamWConfig:
         group = self.param_groups[gi]
         fmt, block = self._format(p, group)
         update = WEIGHT_UPDATES[group["weight_update"]] if p.dtype == torch.bfloat16 else UPDATE_NEAREST
-        cfg = AdamWConfig(m_codec=fmt.m_codec, v_codec=fmt.v_codec, state_bf16=fmt.plain_dtype == torch.bfloat16,
-                          block=block, weight_update=update, decoupled=bool(group["decoupled_weight_decay"]),
-                          param_dtype=p.dtype, grad_dtype=grad.dtype)
-        return (gi, cfg, self._steps[p], _local(p).device)
+        return AdamWConfig(m_codec=fmt.m_codec, v_codec=fmt.v_codec, state_bf16=fmt.plain_dtype == torch.bfloat16,
+                           block=block, weight_update=update, decoupled=bool(group["decoupled_weight_decay"]),
+                           param_dtype=p.dtype, grad_dtype=grad.dtype)
 
-    def _step_fused(self, key: tuple, cfg: AdamWConfig, params: list[torch.Tensor], grads: list[torch.Tensor],
-                    hyper: AdamWHyper) -> None:
+    def _step_fused(self, fam: "_Family", grads: list[torch.Tensor], hyper: AdamWHyper) -> None:
         """Launch the cached plans of a family (built on first use, and again whenever the
-        set of parameters with gradients or the gradients' relative alignment changes)."""
-        plan_key = (key[0], cfg, key[3], tuple(id(p) for p in params))
-        plans = self._plans.get(plan_key)
-        if plans is not None and all(pl.grads_fit([grads[i] for i in sel]) for pl, sel in plans):
-            for pl, sel in plans:
-                pl.step([grads[i] for i in sel], hyper)
-            return
-        tensors = [self._kernel_tensor(p, cfg) for p in params]
+        set of parameters with gradients or the gradients' alignment changes)."""
+        if fam.launches is None:
+            fam.launches = self._plans.get((fam.group, fam.cfg, tuple(map(id, fam.params))))
+        if fam.launches is not None:
+            if len(fam.launches) == 1:  # the common case: one launch for the whole family
+                if fam.launches[0][0].step(grads, hyper):
+                    return
+            elif all(pl.grads_fit([grads[i] for i in sel]) for pl, sel in fam.launches):
+                for pl, sel in fam.launches:
+                    pl.step([grads[i] for i in sel], hyper)
+                return
+        cfg = fam.cfg
+        tensors = [self._kernel_tensor(p, cfg) for p in fam.params]
         variants: dict[tuple[bool, bool], list[int]] = {}
         elems = self.launch_options.get("elems_per_program")
         for i, t in enumerate(tensors):
             variants.setdefault(FusedAdamW.variant(cfg, t, grads[i], elems), []).append(i)
-        plans = [(FusedAdamW(cfg, [tensors[i] for i in sel[c:c + MAX_TENSORS_PER_LAUNCH]], **self.launch_options),
-                  sel[c:c + MAX_TENSORS_PER_LAUNCH])
-                 for sel in variants.values() for c in range(0, len(sel), MAX_TENSORS_PER_LAUNCH)]
-        self._plans[plan_key] = plans
-        for pl, sel in plans:
+        fam.launches = [
+            (FusedAdamW(cfg, [tensors[i] for i in sel[c:c + MAX_TENSORS_PER_LAUNCH]], **self.launch_options),
+             sel[c:c + MAX_TENSORS_PER_LAUNCH])
+            for sel in variants.values() for c in range(0, len(sel), MAX_TENSORS_PER_LAUNCH)]
+        self._plans[(fam.group, cfg, tuple(map(id, fam.params)))] = fam.launches
+        for pl, sel in fam.launches:
             pl.step([grads[i] for i in sel], hyper)
 
     def _kernel_tensor(self, p: torch.Tensor, cfg: AdamWConfig) -> AdamWTensor:
@@ -471,3 +502,52 @@ class LowBitAdamW(torch.optim.Optimizer):
         if not simple or len(gshape) == 0:
             return sum(o * s for o, s in zip(offset, gstride)), cols
         return sum(o * s for o, s in zip(offset, gstride)), gshape[-1]
+
+
+@dataclasses.dataclass
+class _Family:
+    """Parameters stepped by one kernel configuration (one or a few launches)."""
+
+    group: int
+    cfg: AdamWConfig
+    step: int  # the family's step count before this step (bias correction, SR key)
+    index: list[int]  # positions in the step plan's parameter list
+    params: list[torch.Tensor]
+    launches: Optional[list] = None  # [(FusedAdamW, positions in params)], built on first use
+
+
+@dataclasses.dataclass
+class _StepPlan:
+    """What a step does for one set of parameters with gradients, computed once.
+
+    Per step only the cheap guards in ``local_grads`` run; anything unexpected (a gradient of
+    another dtype, shape or layout) goes through the full validation with its errors.
+    """
+
+    params: list[torch.Tensor]
+    expect: list[tuple[torch.dtype, torch.Size]]
+    families: list[_Family]
+    all_params: bool
+    step_index: torch.Tensor
+
+    def same_params(self, with_grad: list[torch.Tensor]) -> bool:
+        return len(with_grad) == len(self.params) and all(map(operator.is_, with_grad, self.params))
+
+    def local_grads(self, opt: "LowBitAdamW") -> list[torch.Tensor]:
+        out = []
+        for p, (dtype, shape) in zip(self.params, self.expect):
+            g = p.grad
+            if type(g) is DTensor:
+                if g.placements != p.placements:
+                    out.append(opt._check_grad(p))
+                    continue
+                g = g._local_tensor
+            if g.dtype is not dtype or g.shape != shape or g.layout is not torch.strided or not g.is_contiguous():
+                raise_or_local = opt._check_grad(p)
+                if raise_or_local.dtype is not dtype:
+                    raise TypeError(f"param '{opt._name(p)}': gradient dtype changed from {dtype} to "
+                                    f"{raise_or_local.dtype} between steps; keep one gradient dtype")
+                out.append(raise_or_local)
+                continue
+            out.append(g)
+        return out
