@@ -256,3 +256,36 @@ def test_fused_cuda_matches_reference_cpu(fmt, update):
             off = (got - want).abs() > tol
             assert off.float().mean() <= 2e-3, (off.sum().item(), pc.shape)
             assert (got - want).abs().max() <= 0.05 * want.abs().max(), pc.shape
+
+
+def test_params_without_grad_keep_their_own_step_counts():
+    """Parameters that miss a gradient are not stepped (as in torch); afterwards one family
+    holds parameters at different step counts and is split by step, matching torch."""
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(40, 30)) for _ in range(3)]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = LowBitAdamW(ours, lr=1e-2, weight_decay=0.1, state_format="fp32")
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for have in ([0, 1, 2], [0], [0, 2], [0, 1, 2], [0, 1, 2]):
+        for i in range(3):
+            g = torch.randn(40, 30, generator=gen) if i in have else None
+            ours[i].grad = g
+            ref[i].grad = None if g is None else g.clone()
+        opt.step()
+        ref_opt.step()
+    assert [int(opt.state[p]["step"]) for p in ours] == [5, 3, 4]
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_dtype_change_between_steps_is_an_error():
+    w = torch.nn.Parameter(torch.randn(64, 80))
+    opt = LowBitAdamW([("w", w)], state_format="8bit", min_quantized_numel=0)
+    w.grad = torch.randn(64, 80)
+    opt.step()
+    if hasattr(w, "grad_dtype"):  # newer torch checks gradient dtypes itself unless told not to
+        w.grad_dtype = None
+    w.grad = torch.randn(64, 80).to(torch.bfloat16)
+    with pytest.raises(TypeError, match="'w': gradient dtype changed"):
+        opt.step()
