@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""Convergence of every optimizer state format and BF16 weight-update mode.
+
+Runs one short pretraining per variant through ``scripts/train.sh`` (the real torchtitan
+Trainer; llama3 debug model by default, on the offline corpus), with the same seed and
+data order for all, at a normal learning rate and at lr 1e-5 (where BF16 weights with
+round-to-nearest stall), and writes:
+
+- ``docs/convergence.md``: final train loss (mean of the last 10% of steps) and
+  validation loss per variant, with the gap to fp32 AdamW and the command line;
+- ``docs/convergence.png``: the training-loss curves (needs matplotlib).
+
+Usage: ``python scripts/convergence.py [--steps 300] [--lrs 3e-3,1e-5] [--out docs]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP_LOSS = re.compile(r"\bstep:\s*(\d+)\s+loss:\s*(-?[0-9.]+|nan|inf)")
+VAL_LOSS = re.compile(r"validate step:\s*(\d+)\s+loss:\s*(-?[0-9.]+|nan|inf)")
+
+# (label, optimizer name, [lowbit] weight_dtype, [lowbit] weight_update)
+VARIANTS = [
+    ("fp32 AdamW (torch)", "AdamW", "auto", "nearest"),
+    ("AdamW8bit", "AdamW8bit", "auto", "nearest"),
+    ("AdamW4bit", "AdamW4bit", "auto", "nearest"),
+    ("AdamWFp8", "AdamWFp8", "auto", "nearest"),
+    ("bf16 weights, nearest (torch AdamW)", "AdamW", "bfloat16", "nearest"),
+    ("bf16 weights, stochastic", "AdamW", "bfloat16", "stochastic"),
+    ("bf16 weights, kahan", "AdamW", "bfloat16", "kahan"),
+    ("bf16 weights, master", "AdamW", "bfloat16", "master"),
+    ("AdamW8bit + bf16 stochastic", "AdamW8bit", "bfloat16", "stochastic"),
+]
+
+
+def run_variant(config: Path, name: str, dtype: str, update: str, lr: float, steps: int,
+                extra: list[str], dump: Path) -> dict:
+    cmd = ["bash", str(ROOT / "scripts" / "train.sh"), str(config),
+           "--metrics.disable_color_printing", "--metrics.log_freq", "1",
+           "--optimizer.name", name, "--optimizer.lr", repr(lr),
+           "--lowbit.weight_dtype", dtype, "--lowbit.weight_update", update,
+           "--training.steps", str(steps), "--lr_scheduler.warmup_steps", str(max(steps // 20, 1)),
+           "--validation.freq", str(steps), "--validation.steps", "20",
+           "--job.dump_folder", str(dump), *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise SystemExit(f"variant {name}/{dtype}/{update} at lr {lr} failed:\n{out[-5000:]}")
+    train = {int(s): float(l) for s, l in STEP_LOSS.findall(
+        "\n".join(l for l in out.splitlines() if "validate" not in l))}
+    val = [float(l) for _, l in VAL_LOSS.findall(out)]
+    if len(train) != steps or not val:
+        raise SystemExit(f"variant {name}/{dtype}/{update}: could not read losses:\n{out[-3000:]}")
+    tail = [train[s] for s in sorted(train)[-max(steps // 10, 1):]]
+    return {"train": train, "final_train": sum(tail) / len(tail), "final_val": val[-1]}
+
+
+def write_report(results: dict, lrs: list[float], steps: int, argv: list[str], out: Path) -> None:
+    lines = [
+        "# Convergence: state formats and BF16 weight updates", "",
+        f"Measured {datetime.date.today()} with `python scripts/convergence.py {' '.join(argv)}`",
+        f"({platform.node() or 'host'}; {env_versions()}). Each row is one run of "
+        f"`scripts/train.sh` ({steps} steps, same seed and data order); final train loss is the "
+        "mean of the last 10% of steps, validation loss is on the held-out split at the end.", "",
+    ]
+    for lr in lrs:
+        ref = results[(lr, VARIANTS[0][0])]
+        lines += [f"## lr {lr:g}", "",
+                  "| variant | final train loss | validation loss | validation vs fp32 AdamW |",
+                  "| --- | --- | --- | --- |"]
+        for label, *_ in VARIANTS:
+            r = results[(lr, label)]
+            gap = 100 * (r["final_val"] - ref["final_val"]) / ref["final_val"]
+            lines.append(f"| {label} | {r['final_train']:.4f} | {r['final_val']:.4f} | {gap:+.2f}% |")
+        lines.append("")
+    lines.append("![training loss curves](convergence.png)")
+    (out / "convergence.md").write_text("\n".join(lines) + "\n")
+    (out / "convergence.json").write_text(json.dumps(
+        {f"{lr:g}|{label}": {k: v for k, v in r.items() if k != "train"}
+         for (lr, label), r in results.items()}, indent=2) + "\n")
+
+
+def plot(results: dict, lrs: list[float], out: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("convergence.py: the PNG needs matplotlib: pip install -e '.[bench]' "
+                         f"(the table is written to {out / 'convergence.md'})") from None
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(lrs), figsize=(7 * len(lrs), 5), squeeze=False)
+    for ax, lr in zip(axes[0], lrs):
+        for label, *_ in VARIANTS:
+            train = results[(lr, label)]["train"]
+            steps = sorted(train)
+            k = max(len(steps) // 50, 1)  # light smoothing: running mean over k steps
+            ys = [sum(train[t] for t in steps[max(0, i - k + 1): i + 1]) / min(i + 1, k)
+                  for i in range(len(steps))]
+            ax.plot(steps, ys, label=label, linewidth=1)
+        ax.set_title(f"llama3 debug model, lr {lr:g}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "convergence.png", dpi=110)
+
+
+def env_versions() -> str:
+    import torch
+
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    return f"{dev}, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, default=ROOT / "train_configs" / "llama3_debug.toml")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--lrs", default="3e-3,1e-5")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs")
+    parser.add_argument("--dump", type=Path, default=ROOT / "outputs" / "convergence")
+    parser.add_argument("extra", nargs="*", help="torchtitan overrides for every run (after --)")
+    args = parser.parse_args(argv)
+    lrs = [float(x) for x in args.lrs.split(",")]
+    results = {}
+    for lr in lrs:
+        for label, name, dtype, update in VARIANTS:
+            r = run_variant(args.config, name, dtype, update, lr, args.steps, args.extra,
+                            args.dump / f"{lr:g}-{name}-{dtype}-{update}")
+            results[(lr, label)] = r
+            print(f"lr {lr:g} {label:40s} train {r['final_train']:.4f} val {r['final_val']:.4f}",
+                  flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_report(results, lrs, args.steps, argv, args.out)
+    plot(results, lrs, args.out)
+    print((args.out / "convergence.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
