@@ -19,7 +19,7 @@ an integer code and back:
   so large magnitudes get fine steps and small ones a wide range (1e-6 .. 1 signed, 1e-7 .. 1
   unsigned). Our layout differs from bitsandbytes' table in one deliberate way: the top
   code of every decade is the decade's upper edge, so ``1.0`` (the block's absmax) is
-  represented exactly and the codes can be computed arithmetically (no search).
+  represented exactly. Encoding and decoding run on tables built here (see below).
 * ``CODEC_DYN4_SIGNED`` -- the same tree with ``M = 3`` (4-bit, signed): the "dynamic
   exponent" map that arXiv 2309.01507 uses for the first moment.
 * ``CODEC_LIN4_NOZERO`` -- 4-bit linear map without zero, ``value(j) = (j + 1) / 16``: the
