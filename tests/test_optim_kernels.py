@@ -253,13 +253,15 @@ def test_optimizer_launch_plans_match_reference_path():
     ref = A.LowBitAdamW(pr, **kw)
     fused._use_fused = lambda t: True
     ref._use_fused = lambda t: False
-    for _ in range(3):
+    for step in range(3):
         for a, b in zip(pf, pr):
             g = torch.randn(a.shape, generator=gen).to(torch.bfloat16).to(DEV)
             a.grad, b.grad = g.clone(), g.clone()  # fresh gradient storage every step
+        if step == 2:  # new parameter storage: the cached launch tables must not write to the old
+            pf[0].data = pf[0].data.clone()
         fused.step()
         ref.step()
-    plans = [pl for group in fused._plans.values() for pl, _ in group]
+    plans = [pl for launches, _ in fused._plans.values() for pl, _ in launches]
     assert len(fused._plans) == 2  # two families: 8-bit matrices, fp32-state small tensors
     assert {(pl.aligned, pl.even) for pl in plans} >= {(True, True), (False, False)}
     assert sum(len(pl.tensors) for pl in plans) == len(shapes)

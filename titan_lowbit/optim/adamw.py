@@ -431,7 +431,10 @@ class LowBitAdamW(torch.optim.Optimizer):
         """Launch the cached plans of a family (built on first use, and again whenever the
         set of parameters with gradients or the gradients' alignment changes)."""
         if fam.launches is None:
-            fam.launches = self._plans.get((fam.group, fam.cfg, tuple(map(id, fam.params))))
+            fam.launches, fam.launches_param_ptrs = self._plans.get(
+                (fam.group, fam.cfg, tuple(map(id, fam.params))), (None, None))
+        if fam.launches is not None and [_local(p).data_ptr() for p in fam.params] != fam.launches_param_ptrs:
+            fam.launches = None  # a parameter's storage was replaced (p.data = ...): rebuild
         if fam.launches is not None:
             if len(fam.launches) == 1:  # the common case: one launch for the whole family
                 if fam.launches[0][0].step(grads, hyper):
@@ -450,7 +453,8 @@ class LowBitAdamW(torch.optim.Optimizer):
             (FusedAdamW(cfg, [tensors[i] for i in sel[c:c + MAX_TENSORS_PER_LAUNCH]], **self.launch_options),
              sel[c:c + MAX_TENSORS_PER_LAUNCH])
             for sel in variants.values() for c in range(0, len(sel), MAX_TENSORS_PER_LAUNCH)]
-        self._plans[(fam.group, cfg, tuple(map(id, fam.params)))] = fam.launches
+        fam.launches_param_ptrs = [_local(p).data_ptr() for p in fam.params]
+        self._plans[(fam.group, cfg, tuple(map(id, fam.params)))] = (fam.launches, fam.launches_param_ptrs)
         for pl, sel in fam.launches:
             pl.step([grads[i] for i in sel], hyper)
 
@@ -514,6 +518,7 @@ class _Family:
     index: list[int]  # positions in the step plan's parameter list
     params: list[torch.Tensor]
     launches: Optional[list] = None  # [(FusedAdamW, positions in params)], built on first use
+    launches_param_ptrs: Optional[list[int]] = None  # parameter storage the launches point at
 
 
 @dataclasses.dataclass
