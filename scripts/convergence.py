@@ -23,6 +23,7 @@ import platform
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,8 +53,12 @@ def run_variant(config: Path, name: str, dtype: str, update: str, lr: float, ste
            "--training.steps", str(steps), "--lr_scheduler.warmup_steps", str(max(steps // 20, 1)),
            "--validation.freq", str(steps), "--validation.steps", "20",
            "--job.dump_folder", str(dump), *extra]
+    start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    elapsed = time.perf_counter() - start
     out = proc.stdout + proc.stderr
+    dump.mkdir(parents=True, exist_ok=True)
+    (dump / "train.log").write_text(out)
     if proc.returncode != 0:
         raise SystemExit(f"variant {name}/{dtype}/{update} at lr {lr} failed:\n{out[-5000:]}")
     train = {int(s): float(l) for s, l in STEP_LOSS.findall(
@@ -62,7 +67,8 @@ def run_variant(config: Path, name: str, dtype: str, update: str, lr: float, ste
     if len(train) != steps or not val:
         raise SystemExit(f"variant {name}/{dtype}/{update}: could not read losses:\n{out[-3000:]}")
     tail = [train[s] for s in sorted(train)[-max(steps // 10, 1):]]
-    return {"train": train, "final_train": sum(tail) / len(tail), "final_val": val[-1]}
+    return {"train": train, "final_train": sum(tail) / len(tail), "final_val": val[-1],
+            "seconds": elapsed}
 
 
 def write_report(results: dict, lrs: list[float], steps: int, argv: list[str], out: Path) -> None:
@@ -141,8 +147,11 @@ def main(argv: list[str] | None = None) -> int:
             r = run_variant(args.config, name, dtype, update, lr, args.steps, args.extra,
                             args.dump / f"{lr:g}-{name}-{dtype}-{update}")
             results[(lr, label)] = r
-            print(f"lr {lr:g} {label:40s} train {r['final_train']:.4f} val {r['final_val']:.4f}",
-                  flush=True)
+            print(f"lr {lr:g} {label:40s} train {r['final_train']:.4f} val {r['final_val']:.4f} "
+                  f"({r['seconds']:.0f} s)", flush=True)
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "convergence_runs.json").write_text(json.dumps(
+                {f"{k[0]:g}|{k[1]}": v for k, v in results.items()}) + "\n")
     args.out.mkdir(parents=True, exist_ok=True)
     write_report(results, lrs, args.steps, argv, args.out)
     plot(results, lrs, args.out)
