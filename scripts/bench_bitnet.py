@@ -182,15 +182,39 @@ def host_overhead(k, n, dev, tokens=16, iters=200) -> dict:
         "bitnet_wq": nn.Parameter(BitNetTrainingWeight(w.detach().clone())),
     }
     out = {"shape": f"{k}->{n}", "tokens": tokens}
-    for name, weight in weights.items():
+
+    def per_call_us(fn):
         for i in range(iters + 20):
             if i == 20:
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / iters * 1e6
+
+    for name, weight in weights.items():
+        def layer(weight=weight):
             F.linear(x, weight).backward(dy)
             x.grad = weight.grad = None
-        torch.cuda.synchronize()
-        out[f"{name}_host_us"] = (time.perf_counter() - t0) / iters * 1e6
+        out[f"{name}_host_us"] = per_call_us(layer)
+    # The pieces of one BitNet layer, each alone: which launches cost the host time.
+    from titan_lowbit.bitnet import ops
+    from titan_lowbit.kernels import bitnet_matmul as mm
+
+    codes = weights["bitnet"]._codes
+    xd = x.detach()
+    xq, xs = bq.quantize_rows(xd)
+    pieces = {
+        "quantize_rows": lambda: bq.quantize_rows(xd),
+        "int8_mm_tma": lambda: mm.int8_matmul_scaled(xq, codes, xs, g, torch.bfloat16, impl="tma"),
+        "int8_mm_pointer": lambda: mm.int8_matmul_scaled(xq, codes, xs, g, torch.bfloat16, impl="pointer"),
+        "dequantize_rows": lambda: bq.dequantize_rows(xq, xs, torch.bfloat16),
+        "op_linear_forward": lambda: ops.linear_forward(xd, codes, g),
+        "op_quantize_weight": lambda: ops.quantize_weight(w.detach()),
+        "torch_mm": lambda: dy.t() @ xd.new_empty(tokens, k),
+    }
+    for name, fn in pieces.items():
+        out[f"{name}_us"] = per_call_us(fn)
     return out
 
 
