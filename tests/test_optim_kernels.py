@@ -272,3 +272,34 @@ def test_optimizer_launch_plans_match_reference_path():
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
             for key, val in ref.state[b].items():
                 assert torch.equal(fused.state[a][key], val), key
+
+
+def test_fused_path_updates_bitnet_weights_in_place():
+    """BitNet's training weight is a wrapper subclass whose own data_ptr() is 0: the fused
+    kernels must update its inner tensor, giving the same bits as the reference path."""
+    from titan_lowbit.bitnet import convert_to_bitnet
+    from titan_lowbit.optim import adamw as A
+
+    def model():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32)).to(DEV)
+        convert_to_bitnet(m, filter_fqns=[])
+        return m
+
+    mf, mr = model(), model()
+    kw = dict(lr=1e-2, state_format="8bit", min_quantized_numel=0)
+    fused = A.LowBitAdamW(list(mf.named_parameters()), **kw)
+    ref = A.LowBitAdamW(list(mr.named_parameters()), **kw)
+    fused._use_fused = lambda t: True
+    ref._use_fused = lambda t: False
+    x = torch.randn(16, 64, device=DEV)
+    before = A._local(mf[0].weight).clone()
+    for m, opt in ((mf, fused), (mr, ref)):
+        m(x).square().mean().backward()
+        opt.step()
+    assert not torch.equal(A._local(mf[0].weight), before)
+    for (name, a), b in zip(mf.named_parameters(), mr.parameters()):
+        if CUDA:
+            torch.testing.assert_close(A._local(a), A._local(b), rtol=1e-5, atol=1e-6, msg=name)
+        else:
+            assert torch.equal(A._local(a), A._local(b)), name

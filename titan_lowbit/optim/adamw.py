@@ -40,8 +40,18 @@ NONFINITE_POLICIES = ("raise", "skip", "ignore")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (without the overhead of ``to_local()``), else ``t``."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    """The plain local tensor the kernels update in place: a DTensor's local shard (without
+    the overhead of ``to_local()``), and inside it the one inner tensor of a wrapper
+    subclass (e.g. BitNet's training weight, whose own ``data_ptr()`` is 0)."""
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        inner, _ = t.__tensor_flatten__()
+        if len(inner) != 1:
+            raise TypeError(f"LowBitAdamW cannot update a {type(t).__name__} holding "
+                            f"{len(inner)} tensors; it needs one plain tensor per parameter")
+        t = getattr(t, inner[0])
+    return t
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
