@@ -1,4 +1,9 @@
-"""Shared test helpers: the repository root and a runner for scripts/train.sh."""
+"""Shared test helpers: the repository root and a runner for scripts/train.sh.
+
+Without a GPU every Triton kernel runs under Triton's interpreter: TRITON_INTERPRET=1 is
+set here, before any test module imports triton (Triton fixes a kernel's mode when the
+kernel is defined).
+"""
 
 import os
 import re
@@ -7,6 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = ROOT / "train_configs" / "llama3_debug.toml"
