@@ -61,14 +61,43 @@ def run_variant(config: Path, name: str, dtype: str, update: str, lr: float, ste
     (dump / "train.log").write_text(out)
     if proc.returncode != 0:
         raise SystemExit(f"variant {name}/{dtype}/{update} at lr {lr} failed:\n{out[-5000:]}")
+    return {**parse_run(out, steps, f"{name}/{dtype}/{update}"), "seconds": elapsed}
+
+
+def parse_run(out: str, steps: int, what: str) -> dict:
+    """Training curve, final train loss (mean of the last 10% of steps) and final
+    validation loss from one run's torchtitan output."""
     train = {int(s): float(l) for s, l in STEP_LOSS.findall(
         "\n".join(l for l in out.splitlines() if "validate" not in l))}
     val = [float(l) for _, l in VAL_LOSS.findall(out)]
     if len(train) != steps or not val:
-        raise SystemExit(f"variant {name}/{dtype}/{update}: could not read losses:\n{out[-3000:]}")
+        raise SystemExit(f"variant {what}: could not read losses:\n{out[-3000:]}")
     tail = [train[s] for s in sorted(train)[-max(steps // 10, 1):]]
-    return {"train": train, "final_train": sum(tail) / len(tail), "final_val": val[-1],
-            "seconds": elapsed}
+    return {"train": train, "final_train": sum(tail) / len(tail), "final_val": val[-1]}
+
+
+def load_saved(json_files: list[Path], dumps: list[Path], steps: int) -> dict:
+    """Results of earlier invocations: their convergence_runs.json files and the
+    train.log files under their --dump folders (named LR-NAME-DTYPE-UPDATE)."""
+    labels = {(name, dtype, update): label for label, name, dtype, update in VARIANTS}
+    results = {}
+    for path in json_files:
+        for key, r in json.loads(path.read_text()).items():
+            lr, label = key.split("|", 1)
+            results[(float(lr), label)] = {**r, "train": {int(k): v for k, v in r["train"].items()}}
+    for dump in dumps:
+        for log in sorted(dump.glob("*/train.log")):
+            lr, name, dtype, update = _split_run_dir(log.parent.name)
+            results[(float(lr), labels[(name, dtype, update)])] = parse_run(
+                log.read_text(), steps, log.parent.name)
+    return results
+
+
+def _split_run_dir(dirname: str) -> tuple[str, str, str, str]:
+    """'1e-05-AdamW-bfloat16-kahan' -> ('1e-05', 'AdamW', 'bfloat16', 'kahan'): the lr
+    itself may contain a '-'."""
+    head, name, dtype, update = dirname.rsplit("-", 3)
+    return head, name, dtype, update
 
 
 def write_report(results: dict, lrs: list[float], steps: int, argv: list[str], out: Path) -> None:
@@ -85,7 +114,10 @@ def write_report(results: dict, lrs: list[float], steps: int, argv: list[str], o
                   "| variant | final train loss | validation loss | validation vs fp32 AdamW |",
                   "| --- | --- | --- | --- |"]
         for label, *_ in VARIANTS:
-            r = results[(lr, label)]
+            r = results.get((lr, label))
+            if r is None:
+                lines.append(f"| {label} | not measured | not measured | |")
+                continue
             gap = 100 * (r["final_val"] - ref["final_val"]) / ref["final_val"]
             lines.append(f"| {label} | {r['final_train']:.4f} | {r['final_val']:.4f} | {gap:+.2f}% |")
         lines.append("")
@@ -109,6 +141,8 @@ def plot(results: dict, lrs: list[float], out: Path) -> None:
     fig, axes = plt.subplots(1, len(lrs), figsize=(7 * len(lrs), 5), squeeze=False)
     for ax, lr in zip(axes[0], lrs):
         for label, *_ in VARIANTS:
+            if (lr, label) not in results:
+                continue
             train = results[(lr, label)]["train"]
             steps = sorted(train)
             k = max(len(steps) // 50, 1)  # light smoothing: running mean over k steps
@@ -138,9 +172,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lrs", default="3e-3,1e-5")
     parser.add_argument("--out", type=Path, default=ROOT / "docs")
     parser.add_argument("--dump", type=Path, default=ROOT / "outputs" / "convergence")
+    parser.add_argument("--from-json", type=Path, nargs="*", default=[],
+                        help="report earlier runs from their convergence_runs.json instead of running")
+    parser.add_argument("--from-dump", type=Path, nargs="*", default=[],
+                        help="report earlier runs from the train.log files under their --dump folder")
     parser.add_argument("extra", nargs="*", help="torchtitan overrides for every run (after --)")
     args = parser.parse_args(argv)
     lrs = [float(x) for x in args.lrs.split(",")]
+    if args.from_json or args.from_dump:
+        results = load_saved(args.from_json, args.from_dump, args.steps)
+        lrs = sorted({lr for lr, _ in results}, reverse=True)
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_report(results, lrs, args.steps, argv, args.out)
+        plot(results, lrs, args.out)
+        print((args.out / "convergence.md").read_text())
+        return 0
     results = {}
     for lr in lrs:
         for label, name, dtype, update in VARIANTS:
