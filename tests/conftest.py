@@ -7,12 +7,15 @@ kernel is defined).
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -55,3 +58,24 @@ def prepared_data() -> Path:
     subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--if-missing"],
                    cwd=ROOT, check=True)
     return ROOT / "assets" / "lowbit_text"
+
+
+def _gloo_worker(rank: int, world: int, port: int, scenarios, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results = scenarios(rank)
+        if rank == 0:
+            torch.save(results, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_gloo(scenarios, world: int, out_path: Path):
+    """Run the module-level function ``scenarios(rank)`` on ``world`` spawned CPU
+    processes joined in a gloo process group; return what rank 0 returned."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_gloo_worker, args=(world, port, scenarios, str(out_path)), nprocs=world, join=True)
+    return torch.load(out_path, weights_only=False)

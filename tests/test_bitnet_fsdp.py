@@ -3,29 +3,20 @@
 One spawn runs every scenario and hands rank 0's measurements to the tests below.
 """
 
-import os
+import functools
+from types import SimpleNamespace
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
 
-import functools  # noqa: E402
-import socket  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-import torch.nn as nn  # noqa: E402
+from conftest import run_on_gloo
 
 WORLD = 2
 # (in, out) per layer: K = 30 and 38 are not multiples of 4 (padded packing).
 LAYERS = [(30, 64), (64, 38), (38, 16)]
 
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model(seed=0):
@@ -56,16 +47,6 @@ class _Counter:
     def reset(self):
         self.calls, self.sizes = 0, []
 
-
-def _worker(rank, port, out_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        results = _scenarios(rank)
-        if rank == 0:
-            torch.save(results, out_path)
-    finally:
-        dist.destroy_process_group()
 
 
 def _scenarios(rank):
@@ -142,9 +123,7 @@ def _scenarios(rank):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bitnet_fsdp") / "results.pt"
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
-    return torch.load(out, weights_only=False)
+    return run_on_gloo(_scenarios, WORLD, tmp_path_factory.mktemp("bitnet_fsdp") / "results.pt")
 
 
 def test_sharded_training_matches_unsharded_bitnet(results):

@@ -9,22 +9,14 @@ One spawn runs every scenario and hands rank 0's results to the tests below:
 * Shard on the last dimension that splits a quantization block is refused by name.
 """
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
+
+from conftest import run_on_gloo
 
 WORLD = 2
 
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model(seed=0):
@@ -32,16 +24,6 @@ def _model(seed=0):
     # 70 rows: odd per-rank split is fine (35 each); 4-bit blocks of 128 along 300 columns.
     return nn.Sequential(nn.Linear(300, 70), nn.LayerNorm(70), nn.Linear(70, 130, bias=False)).to(torch.bfloat16)
 
-
-def _worker(rank, port, out_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        results = _scenarios(rank)
-        if rank == 0:
-            torch.save(results, out_path)
-    finally:
-        dist.destroy_process_group()
 
 
 def _scenarios(rank):
@@ -138,9 +120,7 @@ def _scenarios(rank):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("optim_fsdp") / "results.pt"
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
-    return torch.load(out, weights_only=False)
+    return run_on_gloo(_scenarios, WORLD, tmp_path_factory.mktemp("optim_fsdp") / "results.pt")
 
 
 def test_states_are_dtensors_with_param_placements(results):
