@@ -83,3 +83,27 @@ def test_resume_with_another_configuration_stops_naming_both(two_process_checkpo
     assert "does not match this run" in out, out[-3000:]
     for text in expect:
         assert text in out, out[-3000:]
+
+
+def test_checkpoint_missing_optimizer_entries_stops_naming_them(two_process_checkpoint, tmp_path):
+    import pickle
+    import shutil
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    dump, _, overrides = two_process_checkpoint
+    step_dir = tmp_path / "resumed" / "checkpoint" / f"step-{SAVE_STEP}"
+    shutil.copytree(dump / "checkpoint" / f"step-{SAVE_STEP}", step_dir)
+    meta = FileSystemReader(str(step_dir)).read_metadata()
+    lost = "optimizer.state.layers.0.attention.wq.weight."
+    meta.state_dict_metadata = {k: v for k, v in meta.state_dict_metadata.items()
+                                if not k.startswith(lost)}
+    meta.storage_data = {k: v for k, v in meta.storage_data.items() if not k.fqn.startswith(lost)}
+    with open(step_dir / ".metadata", "wb") as f:
+        pickle.dump(meta, f)
+
+    proc = run_train(*overrides, "--job.dump_folder", str(tmp_path / "resumed"),
+                     "--training.steps", str(SAVE_STEP + 2), check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and not step_losses(out)
+    assert "missing from the checkpoint" in out and lost in out, out[-3000:]

@@ -7,7 +7,8 @@ garbage state; a bf16-weight checkpoint loaded into fp32 parameters, or the othe
 is cast silently too. Before torchtitan's ``CheckpointManager.dcp_load`` reads
 anything, :func:`check_compatible` compares the checkpoint's optimizer layout (state
 format, block size, BF16 update rule, fp32-state threshold) and parameter dtypes with
-the current run's, and stops with both named.
+the current run's, and stops with both named; an optimizer entry the run needs and the
+checkpoint lacks stops it too, by name.
 """
 
 from __future__ import annotations
@@ -72,6 +73,16 @@ def check_compatible(state_dict: dict[str, Any], checkpoint_id: str) -> None:
                     "the checkpoint was written."
                 )
                 break  # one parameter says it; the rest would repeat it
+    if optimizers is not None and not problems:
+        wanted = {f"optimizer.{key}" for key in optimizers.state_dict()}
+        missing = sorted(wanted - set(metadata.state_dict_metadata))
+        if missing:
+            problems.append(
+                f"{len(missing)} optimizer entries are missing from the checkpoint, e.g. "
+                f"{missing[:3]}; the checkpoint is incomplete or from another model. Restore "
+                "it, or drop the optimizer with [checkpoint] exclude_from_loading = "
+                '["optimizer"] to start the optimizer afresh.'
+            )
     if problems:
         raise ValueError(
             f"checkpoint {checkpoint_id} does not match this run:\n  " + "\n  ".join(problems)
