@@ -1,6 +1,8 @@
-"""A DCP checkpoint written by 2 processes loads into 1 and into 4 processes (FSDP2 on
-gloo): every model and optimizer tensor, gathered, equals the checkpoint's element for
-element, and training continues from it without a jump in the loss."""
+"""DCP checkpoints across process counts (FSDP2 on gloo): one written by 2 processes
+loads into 1 and into 4, one written by 4 loads into 2; every model and optimizer
+tensor, gathered, equals the checkpoint's element for element, and training continues
+without a jump in the loss. A checkpoint from another configuration, or one missing
+optimizer entries, stops the run with both sides named."""
 
 import os
 import subprocess
@@ -107,3 +109,18 @@ def test_checkpoint_missing_optimizer_entries_stops_naming_them(two_process_chec
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and not step_losses(out)
     assert "missing from the checkpoint" in out and lost in out, out[-3000:]
+
+
+def test_checkpoint_from_four_processes_reshards_into_two(tmp_path, prepared_data):
+    dump = tmp_path / "four"
+    overrides = ("--optimizer.name", "AdamW8bit", "--lowbit.weight_dtype", "bfloat16",
+                 "--lowbit.weight_update", "stochastic", "--validation.freq", "1000",
+                 "--checkpoint.enable", "--checkpoint.interval", "2",
+                 "--job.dump_folder", str(dump))
+    run_train(*overrides, "--training.steps", "2", nproc=4)
+    argv = ["--job.config_file", str(DEBUG_CONFIG), *overrides,
+            "--checkpoint.exclude_from_loading", "dataloader"]
+    check = torchrun(2, str(ROOT / "tests" / "reshard_check.py"), str(dump / "checkpoint"), "2",
+                     *argv)
+    assert check.returncode == 0, check.stdout[-4000:] + check.stderr[-4000:]
+    assert "RESHARD OK" in check.stdout and "on 2 processes" in check.stdout
