@@ -16,6 +16,10 @@ import torch.nn as nn
 from conftest import run_on_gloo
 
 WORLD = 2
+# (state format, parameter dtype, bf16 update) beyond the main 4-bit + stochastic case.
+FORMAT_CASES = [("8bit", torch.float32, "nearest"), ("fp8", torch.float32, "nearest"),
+                ("fp32", torch.float32, "nearest"), ("8bit", torch.bfloat16, "kahan"),
+                ("bf16", torch.bfloat16, "master"), ("fp8", torch.bfloat16, "nearest")]
 
 
 
@@ -23,7 +27,6 @@ def _model(seed=0):
     torch.manual_seed(seed)
     # 70 rows: odd per-rank split is fine (35 each); 4-bit blocks of 128 along 300 columns.
     return nn.Sequential(nn.Linear(300, 70), nn.LayerNorm(70), nn.Linear(70, 130, bias=False)).to(torch.bfloat16)
-
 
 
 def _scenarios(rank):
@@ -70,6 +73,23 @@ def _scenarios(rank):
     train(sh, opt_s, xs[:3])
     res["max_diff_after_3"] = max((ps.full_tensor().float() - pr.float()).abs().max().item()
                                   for ps, pr in zip(sh.parameters(), ref.parameters()))
+
+    # Every other state format and update rule: 2 processes equal 1 process, bit for bit.
+    res["formats_max_diff"] = {}
+    for fmt, dtype, update in FORMAT_CASES:
+        kw_f = dict(kw, state_format=fmt, weight_update=update)
+        ref_f = _model().to(dtype)
+        sh_f = _model().to(dtype)
+        for mod in sh_f:
+            if isinstance(mod, nn.Linear):
+                fully_shard(mod, mesh=mesh)
+        fully_shard(sh_f, mesh=mesh)
+        xs_f = [x.to(dtype) for x in xs[:3]]
+        train(ref_f, LowBitAdamW(list(ref_f.named_parameters()), **kw_f), xs_f)
+        train(sh_f, LowBitAdamW(list(sh_f.named_parameters()), **kw_f), xs_f)
+        res["formats_max_diff"][(fmt, str(dtype), update)] = max(
+            (ps.full_tensor().float() - pr.float()).abs().max().item()
+            for ps, pr in zip(sh_f.parameters(), ref_f.parameters()))
 
     # Checkpoint through DCP's state-dict API and load into a fresh optimizer before its first step.
     osd = get_optimizer_state_dict(sh, opt_s)
@@ -154,3 +174,11 @@ def test_last_dim_shard_splitting_blocks_is_refused(results):
     err = results["col_shard_error"]
     assert err is not None and "'tp.w'" in err and "block_size=128" in err
     assert results["col_shard_state"] == ("(Shard(dim=1),)", (8, 2))
+
+
+def test_every_format_sharded_equals_unsharded(results):
+    """2 processes (FSDP2) and 1 process on the same global batch end with the same bits,
+    for every state format and bf16 update rule."""
+    diffs = results["formats_max_diff"]
+    assert len(diffs) == len(FORMAT_CASES)
+    assert all(d == 0.0 for d in diffs.values()), diffs
