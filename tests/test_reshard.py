@@ -1,5 +1,6 @@
 """DCP checkpoints across process counts (FSDP2 on gloo): one written by 2 processes
-loads into 1 and into 4, one written by 4 loads into 2; every model and optimizer
+loads into 1 and into 4, one written by 4 loads into 2, and checkpoints move between
+FSDP2 and a 2x2 FSDP2 x TP mesh both ways; every model and optimizer
 tensor, gathered, equals the checkpoint's element for element, and training continues
 without a jump in the loss. A checkpoint from another configuration, or one missing
 optimizer entries, stops the run with both sides named."""
@@ -118,6 +119,35 @@ def test_checkpoint_from_four_processes_reshards_into_two(tmp_path, prepared_dat
                  "--checkpoint.enable", "--checkpoint.interval", "2",
                  "--job.dump_folder", str(dump))
     run_train(*overrides, "--training.steps", "2", nproc=4)
+    argv = ["--job.config_file", str(DEBUG_CONFIG), *overrides,
+            "--checkpoint.exclude_from_loading", "dataloader"]
+    check = torchrun(2, str(ROOT / "tests" / "reshard_check.py"), str(dump / "checkpoint"), "2",
+                     *argv)
+    assert check.returncode == 0, check.stdout[-4000:] + check.stderr[-4000:]
+    assert "RESHARD OK" in check.stdout and "on 2 processes" in check.stdout
+
+
+TWO_D = ("--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2")
+
+
+def test_fsdp_checkpoint_loads_into_fsdp_x_tp_mesh(two_process_checkpoint):
+    """2 processes (FSDP2) -> 4 processes on a 2x2 (FSDP2 x TP) mesh. 4-bit blocks of 128
+    keep whole blocks in each TP shard of the 256-wide debug model."""
+    dump, _, overrides = two_process_checkpoint
+    argv = ["--job.config_file", str(DEBUG_CONFIG), *overrides, *TWO_D,
+            "--checkpoint.exclude_from_loading", "dataloader"]
+    check = torchrun(4, str(ROOT / "tests" / "reshard_check.py"), str(dump / "checkpoint"),
+                     str(SAVE_STEP), *argv)
+    assert check.returncode == 0, check.stdout[-4000:] + check.stderr[-4000:]
+    assert "RESHARD OK" in check.stdout and "on 4 processes" in check.stdout
+
+
+def test_fsdp_x_tp_checkpoint_loads_into_fsdp_only(two_process_checkpoint, tmp_path):
+    """4 processes on a 2x2 (FSDP2 x TP) mesh -> 2 processes, FSDP2 only."""
+    _, _, overrides = two_process_checkpoint
+    dump = tmp_path / "two_d"
+    overrides = (*overrides, "--job.dump_folder", str(dump), "--checkpoint.interval", "2")
+    run_train(*overrides, *TWO_D, "--training.steps", "2", nproc=4)
     argv = ["--job.config_file", str(DEBUG_CONFIG), *overrides,
             "--checkpoint.exclude_from_loading", "dataloader"]
     check = torchrun(2, str(ROOT / "tests" / "reshard_check.py"), str(dump / "checkpoint"), "2",
