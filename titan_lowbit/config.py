@@ -80,6 +80,12 @@ class LowBit:
             self.bitnet_filter = [s for s in self.bitnet_filter.split(",") if s]
 
 
+def lowbit_of(job_config) -> LowBit:
+    """The ``[lowbit]`` section of a JobConfig; its defaults when the job did not add the
+    section (no ``custom_config_module``)."""
+    return getattr(job_config, "lowbit", None) or LowBit()
+
+
 def unknown_keys(cls, data: dict, section: str = "") -> list[str]:
     """Every ``[section] key`` of a parsed TOML dict that the dataclass ``cls`` lacks,
     each with the valid keys of its section, recursing into nested sections."""

@@ -21,7 +21,7 @@ from torchtitan.components.optimizer import (
 )
 from torchtitan.tools.logging import logger
 
-from titan_lowbit.config import LowBit
+from titan_lowbit.config import LowBit, lowbit_of
 
 # titan_lowbit.optim (and with it Triton) is imported only when an optimizer name needs
 # it, so a run with torch's Adam/AdamW loads no kernels.
@@ -149,7 +149,7 @@ def wrap_build_optimizers(base_builder, config_of: Callable[[list[nn.Module]], o
     @functools.wraps(base_builder)
     def build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=None):
         job_config = config_of(model_parts)
-        lowbit = getattr(job_config, "lowbit", None) or LowBit()
+        lowbit = lowbit_of(job_config)
         optimizers = build_lowbit_optimizers(
             model_parts,
             optimizer_config,

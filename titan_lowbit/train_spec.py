@@ -23,7 +23,7 @@ import torch.nn as nn
 import torchtitan.protocols.train_spec as train_spec_module
 
 from titan_lowbit import cpu_device
-from titan_lowbit.config import LowBit
+from titan_lowbit.config import lowbit_of
 from titan_lowbit.optimizer_builder import wrap_build_optimizers
 
 _JOB_CONFIGS: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
@@ -56,7 +56,7 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> int:
 
 
 def apply_weight_dtype(model: nn.Module, job_config) -> None:
-    lowbit = getattr(job_config, "lowbit", None) or LowBit()
+    lowbit = lowbit_of(job_config)
     training_dtype = job_config.training.dtype
     if lowbit.weight_dtype == "bfloat16":
         cast_parameters(model, torch.bfloat16)
