@@ -29,6 +29,15 @@ def two_process_checkpoint(tmp_path_factory, prepared_data):
     return dump, step_losses(proc.stdout), overrides
 
 
+def resume_folder(tmp_path, checkpoint_dir):
+    """A new dump folder whose only checkpoint is ``checkpoint_dir/step-SAVE_STEP``."""
+    resumed_dump = tmp_path / "resumed"
+    (resumed_dump / "checkpoint").mkdir(parents=True)
+    os.symlink(checkpoint_dir / f"step-{SAVE_STEP}",
+               resumed_dump / "checkpoint" / f"step-{SAVE_STEP}")
+    return resumed_dump
+
+
 def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, TITAN_LOWBIT_DEVICE="cpu", OMP_NUM_THREADS="1")
     return subprocess.run(
@@ -52,9 +61,7 @@ def test_checkpoint_reshards_exactly_and_training_continues(two_process_checkpoi
 
     # Train on from the step-SAVE_STEP checkpoint in a copy of the dump folder (the
     # dataloader's per-rank position cannot follow a new data-parallel degree).
-    resumed_dump = tmp_path / "resumed"
-    (resumed_dump / "checkpoint").mkdir(parents=True)
-    os.symlink(ckpt / f"step-{SAVE_STEP}", resumed_dump / "checkpoint" / f"step-{SAVE_STEP}")
+    resumed_dump = resume_folder(tmp_path, ckpt)
     proc = run_train(*overrides, "--job.dump_folder", str(resumed_dump), "--checkpoint.interval",
                      "1000", "--checkpoint.exclude_from_loading", "dataloader",
                      "--training.steps", str(SAVE_STEP + 2), nproc=nproc)
@@ -75,10 +82,7 @@ def test_checkpoint_reshards_exactly_and_training_continues(two_process_checkpoi
 def test_resume_with_another_configuration_stops_naming_both(two_process_checkpoint, override,
                                                                expect, tmp_path):
     dump, _, overrides = two_process_checkpoint
-    resumed_dump = tmp_path / "resumed"
-    (resumed_dump / "checkpoint").mkdir(parents=True)
-    os.symlink(dump / "checkpoint" / f"step-{SAVE_STEP}",
-               resumed_dump / "checkpoint" / f"step-{SAVE_STEP}")
+    resumed_dump = resume_folder(tmp_path, dump / "checkpoint")
     proc = run_train(*overrides, "--job.dump_folder", str(resumed_dump), *override,
                      "--training.steps", str(SAVE_STEP + 2), check=False)
     out = proc.stdout + proc.stderr

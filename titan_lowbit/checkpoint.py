@@ -20,13 +20,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from titan_lowbit.optimizer_builder import is_lowbit
+
 LAYOUT_KEYS = ("state_format", "block_size", "weight_update", "min_quantized_numel")
 TORCH_LAYOUT = {"optimizer": "torch Adam/AdamW (fp32 or parameter-dtype moments)"}
 
 
 def current_layout(optimizers) -> dict[str, Any]:
     first = next(iter(optimizers))
-    if not hasattr(first, "state_bytes_per_param"):  # torch's Adam/AdamW
+    if not is_lowbit(first):  # torch's Adam/AdamW
         return dict(TORCH_LAYOUT)
     group = first.param_groups[0]
     return {"optimizer": "titan_lowbit", **{k: group[k] for k in LAYOUT_KEYS}}

@@ -36,6 +36,12 @@ def valid_optimizer_names() -> list[str]:
     return sorted(set(TORCH_OPTIMIZERS) | set(OPTIMIZERS))
 
 
+def is_lowbit(optimizer) -> bool:
+    """Whether ``optimizer`` is titan_lowbit's LowBitAdamW (told by its interface, so that
+    runs with torch's Adam/AdamW never import titan_lowbit.optim)."""
+    return hasattr(optimizer, "state_bytes_per_param")
+
+
 def check_optimizer_name(name: str) -> None:
     if name not in valid_optimizer_names():
         raise ValueError(
@@ -65,7 +71,7 @@ def state_bytes_per_param(optimizers: OptimizersContainer) -> float:
     total_bytes = total_numel = 0.0
     for opt in optimizers:
         numel = sum(p.numel() for g in opt.param_groups for p in g["params"])
-        if hasattr(opt, "state_bytes_per_param"):  # titan_lowbit.optim.LowBitAdamW
+        if is_lowbit(opt):
             total_bytes += opt.state_bytes_per_param() * numel
         else:  # torch Adam/AdamW: exp_avg and exp_avg_sq in the parameter's dtype
             total_bytes += sum(
@@ -127,7 +133,7 @@ def describe(optimizers: OptimizersContainer, optimizer_name: str, lowbit: LowBi
     params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in params})
     first = next(iter(optimizers))
-    if hasattr(first, "state_bytes_per_param"):  # titan_lowbit.optim.LowBitAdamW
+    if is_lowbit(first):
         fmt = first.defaults["state_format"]
         opt_desc = f"{optimizer_name} (titan_lowbit, state format {fmt})"
     else:
