@@ -22,7 +22,8 @@ Math, per element, all in fp32 (llm.c style; names as in the code)::
               same for v
     weight:   fp32 param:          p = p_new
               bf16, NEAREST:       p = bf16_rne(p_new)
-              bf16, STOCHASTIC:    p = bf16(truncate(bits(p_new) + (hash(key, idx) & 0xFFFF)))
+              bf16, STOCHASTIC:    p = bf16(truncate(bits(p_new) + (hash(idx) & 0xFFFF)))
+                                   hash(idx) = mix32(((lo32(idx) ^ tensor_key ^ step_key) + hi32(idx) * GOLDEN32))
               bf16, KAHAN:         s = (p_new - p) + c;  p' = bf16_rne(p + s);  c = bf16_rne(s - (p' - p))
               bf16, MASTER:        the math above runs on the fp32 master w; w = p_new; p = bf16_rne(w)
 
@@ -43,6 +44,7 @@ from typing import Optional, Sequence
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from .quant_maps import (
     CODEC_DYN4_SIGNED,
@@ -51,9 +53,9 @@ from .quant_maps import (
     CODEC_FP8_E4M3,
     CODEC_LIN4_NOZERO,
     CODEC_NONE,
-    ENC_BASE,
     ENC_SHIFT,
     ENC_SIZE,
+    GOLDEN32,
     TABLE_LUT,
     TABLE_MID,
     TABLE_SIZE,
@@ -109,11 +111,11 @@ _K_CODEC_LIN4_NOZERO = tl.constexpr(CODEC_LIN4_NOZERO)
 _K_CODEC_NONE = tl.constexpr(CODEC_NONE)
 _K_TABLE_SIZE = tl.constexpr(TABLE_SIZE)
 _K_TABLE_LUT = tl.constexpr(TABLE_LUT)
+_K_TABLE_MID = tl.constexpr(TABLE_MID)
+_K_GOLDEN32 = tl.constexpr(GOLDEN32)
 _K_TILE_BITS = tl.constexpr(TILE_BITS)
 _K_TILE_MASK = tl.constexpr((1 << TILE_BITS) - 1)
-_K_TABLE_MID = tl.constexpr(TABLE_MID)
 _K_ENC_SHIFT = tl.constexpr(ENC_SHIFT)
-_K_ENC_BASE = tl.constexpr(ENC_BASE)
 _K_ENC_SIZE = tl.constexpr(ENC_SIZE)
 _K_UPDATE_NEAREST = tl.constexpr(UPDATE_NEAREST)
 _K_UPDATE_STOCHASTIC = tl.constexpr(UPDATE_STOCHASTIC)
@@ -152,6 +154,15 @@ def _bf16_rne(x, HW_CAST: tl.constexpr):
 
 
 @triton.jit
+def _div(a, b, HW_CAST: tl.constexpr):
+    """a / b: the fast hardware reciprocal-multiply on a GPU (b is a positive normal number
+    here: eps-bounded denominators and block absmax values); exact under the interpreter."""
+    if HW_CAST:
+        return libdevice.fast_dividef(a, b)
+    return tl.div_rn(a, b)
+
+
+@triton.jit
 def _mix32(h):
     """MurmurHash3 fmix32 on uint32."""
     h = h ^ (h >> 16)
@@ -163,12 +174,12 @@ def _mix32(h):
 
 
 @triton.jit
-def _bf16_stochastic(x, gidx, tkey, skey, HW_CAST: tl.constexpr):
-    """fp32 -> bf16 stochastic rounding: add 16 random bits below bf16's mantissa, truncate."""
+def _bf16_stochastic(x, gidx, key, HW_CAST: tl.constexpr):
+    """fp32 -> bf16 stochastic rounding: add 16 random bits below bf16's mantissa, truncate.
+    key = tensor_key ^ step_key; one mix32 round per element (the finalizer alone avalanches)."""
     lo = (gidx & 0xFFFFFFFF).to(tl.uint32)
     hi = (gidx >> 32).to(tl.uint32)
-    h = _mix32(lo ^ tkey)
-    h = _mix32(h ^ (hi + skey))
+    h = _mix32((lo ^ key) + hi * _K_GOLDEN32)
     bits = x.to(tl.uint32, bitcast=True)
     rounded = ((bits + (h & 0xFFFF)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     finite = tl.abs(x) < float("inf")
@@ -180,19 +191,24 @@ def _dyn_encode(x, tab, etab, M: tl.constexpr, SIGNED: tl.constexpr):
     """Nearest dynamic-tree code of x in [-1, 1]: bucket table, then one midpoint compare
     (see quant_maps.py for why one compare is enough)."""
     a = tl.abs(x)
-    idx = (a.to(tl.int32, bitcast=True) >> _K_ENC_SHIFT) - _K_ENC_BASE
-    idx = tl.minimum(tl.maximum(idx, 0), _K_ENC_SIZE - 1)
+    idx = tl.minimum(a.to(tl.int32, bitcast=True) >> _K_ENC_SHIFT, _K_ENC_SIZE - 1)
     cand = tl.load(etab + idx).to(tl.int32)
     p = cand + (a > tl.load(tab + _K_TABLE_MID + cand)).to(tl.int32)
     if SIGNED:
-        p = tl.where(x < 0, p | (1 << M), p)
+        p = p | ((x < 0).to(tl.int32) << M)
     return p
 
 
 @triton.jit
-def _dyn_decode(code, tab):
-    """Value of a dynamic-tree code: one read of the codec's value table."""
-    return tl.load(tab + _K_TABLE_LUT + code.to(tl.int32))
+def _dyn_decode(code, tab, M: tl.constexpr, SIGNED: tl.constexpr):
+    """Value of a dynamic-tree code: one read of the codec's value table, by magnitude (a
+    signed codec's reads then spread over half as many cache lines), sign bit moved onto
+    the float."""
+    c = code.to(tl.int32)
+    if SIGNED:
+        val = tl.load(tab + _K_TABLE_LUT + (c & ((1 << M) - 1)))
+        return (val.to(tl.int32, bitcast=True) | ((c >> M) << 31)).to(tl.float32, bitcast=True)
+    return tl.load(tab + _K_TABLE_LUT + c)
 
 
 @triton.jit
@@ -247,8 +263,12 @@ def _decode(code, tab, CODEC: tl.constexpr, HW_CAST: tl.constexpr):
         return _lin4_decode(code)
     elif CODEC == _K_CODEC_FP8_E4M3:
         return _fp8_decode(code, HW_CAST)
+    elif CODEC == _K_CODEC_DYN8_SIGNED:
+        return _dyn_decode(code, tab, 7, True)
+    elif CODEC == _K_CODEC_DYN8_UNSIGNED:
+        return _dyn_decode(code, tab, 8, False)
     else:
-        return _dyn_decode(code, tab)
+        return _dyn_decode(code, tab, 3, True)
 
 
 @triton.jit
@@ -341,7 +361,7 @@ def _adamw_lowbit_kernel(
     lr_value, inv_bc1, inv_sqrt_bc2, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, wd, skey,
     M_CODEC: tl.constexpr, V_CODEC: tl.constexpr, UPDATE: tl.constexpr,
     DECOUPLED: tl.constexpr, LR_IS_TENSOR: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
-    HW_CAST: tl.constexpr, QBLOCK: tl.constexpr, NB: tl.constexpr,
+    SR_DENSE: tl.constexpr, HW_CAST: tl.constexpr, QBLOCK: tl.constexpr, NB: tl.constexpr,
 ):
     # Buffers are addressed as base pointer (a kernel argument, so the compiler knows its
     # alignment) + per-tensor element offset from the metadata table (+ hint when ALIGNED):
@@ -357,15 +377,21 @@ def _adamw_lowbit_kernel(
     bpr = tl.load(meta + _K_META_BPR).to(tl.int32)
     nblocks = tl.load(meta + _K_META_NBLOCKS).to(tl.int32)
 
-    # block index -> (row, block in row); offsets of each block's first element and code byte
+    # block index -> (row, block in row); offsets of each block's first element and code byte.
+    # EVEN launches hold rows of whole blocks: block b starts at element b * QBLOCK (no
+    # division by the blocks per row, which costs ~8 instructions per element).
     PACKED: tl.constexpr = M_CODEC == _K_CODEC_DYN4_SIGNED or M_CODEC == _K_CODEC_LIN4_NOZERO
     CBLOCK: tl.constexpr = QBLOCK // 2 if PACKED else QBLOCK
     bidx = q0 + tl.arange(0, NB)
-    row = bidx // bpr
-    cb = bidx - row * bpr
-    row64 = row.to(tl.int64)
-    e_start = row64 * cols + cb * QBLOCK
-    c_start = row64 * code_row + cb * CBLOCK
+    if EVEN:
+        e_start = bidx.to(tl.int64) * QBLOCK
+        c_start = bidx.to(tl.int64) * CBLOCK
+    else:
+        row = bidx // bpr
+        cb = bidx - row * bpr
+        row64 = row.to(tl.int64)
+        e_start = row64 * cols + cb * QBLOCK
+        c_start = row64 * code_row + cb * CBLOCK
     if ALIGNED:
         e_start = tl.multiple_of(e_start, 16)
         c_start = tl.multiple_of(c_start, 16)
@@ -373,9 +399,13 @@ def _adamw_lowbit_kernel(
     eoff = e_start[:, None] + lane
     coff = c_start[:, None] + tl.arange(0, CBLOCK)[None, :]
     bmask = bidx < nblocks
-    col = cb[:, None] * QBLOCK + lane
-    emask = bmask[:, None] & (col < cols)
-    cmask = bmask[:, None] & ((cb[:, None] * CBLOCK + tl.arange(0, CBLOCK)[None, :]) < (cols + 1) // 2)
+    if EVEN:
+        emask = bmask[:, None]
+        cmask = bmask[:, None]
+    else:
+        col = cb[:, None] * QBLOCK + lane
+        emask = bmask[:, None] & (col < cols)
+        cmask = bmask[:, None] & ((cb[:, None] * CBLOCK + tl.arange(0, CBLOCK)[None, :]) < (cols + 1) // 2)
 
     if LR_IS_TENSOR:
         lr = tl.load(lr_ptr).to(tl.float32)
@@ -417,7 +447,7 @@ def _adamw_lowbit_kernel(
     m = beta1 * m + one_minus_beta1 * g
     v = beta2 * v + one_minus_beta2 * (g * g)
     denom = tl.sqrt(v) * inv_sqrt_bc2 + eps
-    upd = step_size * (m / denom)
+    upd = step_size * _div(m, denom, HW_CAST)
     if DECOUPLED:
         p_new = p * decay - upd
     else:
@@ -432,10 +462,18 @@ def _adamw_lowbit_kernel(
     elif UPDATE == _K_UPDATE_NEAREST:
         _st(pptr, _bf16_rne(p_new, HW_CAST), emask, EVEN)
     elif UPDATE == _K_UPDATE_STOCHASTIC:
-        g_start = tl.load(meta + _K_META_SR_BASE) + row64 * tl.load(meta + _K_META_SR_ROW) + cb * QBLOCK
-        gidx = g_start[:, None] + lane
-        tkey = tl.load(meta + _K_META_SR_KEY).to(tl.uint32)
-        _st(pptr, _bf16_stochastic(p_new, gidx, tkey, skey.to(tl.uint32), HW_CAST), emask, EVEN)
+        # global index of each element: SR_BASE + row * SR_ROW + column (SR_DENSE: the
+        # launch's tensors are stored with their global rows, SR_ROW == cols, so that is
+        # SR_BASE + the local element offset)
+        sr_base = tl.load(meta + _K_META_SR_BASE)
+        if SR_DENSE:
+            gidx = sr_base + eoff
+        else:
+            srow = bidx // bpr
+            g_start = sr_base + srow.to(tl.int64) * tl.load(meta + _K_META_SR_ROW) + (bidx - srow * bpr) * QBLOCK
+            gidx = g_start[:, None] + lane
+        key = tl.load(meta + _K_META_SR_KEY).to(tl.uint32) ^ skey.to(tl.uint32)
+        _st(pptr, _bf16_stochastic(p_new, gidx, key, HW_CAST), emask, EVEN)
     elif UPDATE == _K_UPDATE_KAHAN:
         c = _ld(xptr, emask, EVEN).to(tl.float32)
         s = (p_new - p) + c
@@ -567,6 +605,7 @@ class FusedAdamW:
             tiles.append(torch.arange(ntiles, dtype=torch.int32) | (slot << TILE_BITS))
         self.aligned = aligned
         self.even = all(self.is_even(cfg, t, self.nb) for t in tensors)
+        self.sr_dense = all(t.sr_row_stride == t.cols for t in tensors)
         self.meta = meta.to(self.device)
         self.tiles = torch.cat(tiles).to(self.device)
         self.n_programs = self.tiles.numel()
@@ -637,7 +676,7 @@ class FusedAdamW:
             s["beta2"], s["one_minus_beta2"], s["eps"], s["wd"], s["skey"],
             M_CODEC=cfg.m_codec, V_CODEC=cfg.v_codec, UPDATE=cfg.weight_update,
             DECOUPLED=cfg.decoupled, LR_IS_TENSOR=lr_is_tensor,
-            ALIGNED=self.aligned, EVEN=self.even,
+            ALIGNED=self.aligned, EVEN=self.even, SR_DENSE=self.sr_dense,
             HW_CAST=not interpreting(), QBLOCK=cfg.block, NB=self.nb, num_warps=self.num_warps,
         )
         return True

@@ -32,6 +32,7 @@ from .quant_maps import (
     CODEC_FP8_E4M3,
     CODEC_LIN4_NOZERO,
     CODEC_NONE,
+    GOLDEN32,
     MASK32,
     MIX_C1,
     MIX_C2,
@@ -104,11 +105,11 @@ def mix32(h: torch.Tensor) -> torch.Tensor:
 
 
 def stochastic_bits(gidx: torch.Tensor, tkey: int, skey: int) -> torch.Tensor:
-    """The 32 random bits of element ``gidx`` (int64 global index) for a tensor/step key."""
+    """The 32 random bits of element ``gidx`` (int64 global index) for a tensor/step key:
+    ``mix32(((lo ^ tkey ^ skey) + hi * GOLDEN32) mod 2**32)``."""
     lo = gidx & MASK32
     hi = (gidx >> 32) & MASK32
-    h = mix32(lo ^ tkey)
-    return mix32(h ^ ((hi + skey) & MASK32))
+    return mix32(((lo ^ (tkey ^ skey)) + _mul32(hi, GOLDEN32)) & MASK32)
 
 
 def bf16_stochastic(x: torch.Tensor, gidx: torch.Tensor, tkey: int, skey: int) -> torch.Tensor:

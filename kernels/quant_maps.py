@@ -53,8 +53,10 @@ DYN_SIGNED = {CODEC_DYN8_SIGNED: True, CODEC_DYN8_UNSIGNED: False, CODEC_DYN4_SI
 # Dynamic-tree codecs run on tables (both in the kernel and in the reference):
 #   decode: value = LUT[code]
 #   encode: a = |x|; cand = ENC[bucket(a)]; p = cand + (a > MID[cand]); sign bit on top
-# where bucket(a) is a's float32 exponent and top ENC_MANT_BITS mantissa bits, over the
-# ENC_OCTAVES octaves below 1.0 (smaller values share bucket 0), ENC[b] is the number of
+# where bucket(a) is a's float32 bits >> ENC_SHIFT (its exponent and top ENC_MANT_BITS
+# mantissa bits: one bucket per value for every a < 2, so only an upper clamp; 7 bits keep
+# at most one midpoint per bucket and make a bucket row of one octave one 128-byte cache
+# line, so a warp's random reads touch fewer lines), ENC[b] is the number of
 # midpoints MID[p] = (value(p) + value(p + 1)) / 2 below the bucket's lower edge, and every
 # bucket holds at most one midpoint (checked when the tables are built). So encode returns
 # exactly the nearest code (ties to the smaller magnitude), with two table reads instead of
@@ -68,11 +70,9 @@ TABLE_STRIDE = 8
 TABLE_LUT = 4 * TABLE_STRIDE
 TABLE_MID = TABLE_LUT + 256
 TABLE_SIZE = TABLE_MID + 256
-ENC_MANT_BITS = 8
-ENC_OCTAVES = 25
+ENC_MANT_BITS = 7
 ENC_SHIFT = 23 - ENC_MANT_BITS
-ENC_BASE = (127 - ENC_OCTAVES) << ENC_MANT_BITS  # bucket index of 2**-ENC_OCTAVES
-ENC_SIZE = ENC_OCTAVES << ENC_MANT_BITS
+ENC_SIZE = 128 << ENC_MANT_BITS  # buckets of every float32 in [0, 2)
 
 
 def _dyn_decade(k: int, M: int) -> tuple[float, float]:
@@ -101,8 +101,8 @@ def dyn_decode_arith(code: torch.Tensor, tab: torch.Tensor, M: int, signed: bool
 
 def enc_bucket(a: torch.Tensor) -> torch.Tensor:
     """Bucket index (int64) of non-negative float32 values for the encode table."""
-    idx = (a.contiguous().view(torch.int32) >> ENC_SHIFT).to(torch.int64) - ENC_BASE
-    return idx.clamp(0, ENC_SIZE - 1)
+    idx = (a.contiguous().view(torch.int32) >> ENC_SHIFT).to(torch.int64)
+    return idx.clamp(max=ENC_SIZE - 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,7 +124,7 @@ def _dyn_tables(codec: int) -> tuple[torch.Tensor, torch.Tensor]:
     mids = ((mags[:-1] + mags[1:]) / 2).float()
     t[TABLE_MID:TABLE_MID + 2**M - 1] = mids
     t[TABLE_MID + 2**M - 1:] = float("inf")
-    lower = ((torch.arange(ENC_SIZE, dtype=torch.int64) + ENC_BASE) << ENC_SHIFT).to(torch.int32).view(torch.float32)
+    lower = (torch.arange(ENC_SIZE, dtype=torch.int64) << ENC_SHIFT).to(torch.int32).view(torch.float32)
     upper = torch.cat([lower[1:], torch.tensor([2.0])])
     enc = torch.searchsorted(mids, lower, right=False)  # #mids < lower edge
     per_bucket = torch.searchsorted(mids, upper, right=False) - enc
