@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""Peak memory and tokens/s of optimizer variants at scale, one short torchtitan run each.
+
+Each variant runs ``scripts/train.sh CONFIG`` for ``--steps`` steps on ``--ngpu`` GPUs
+(the first ones visible; with no GPU, that many gloo CPU processes) with FSDP2 over
+``ngpu / tp`` and TP over ``--tp``, one after another. From each run's log it takes the
+median tokens/s per GPU of the steps after ``--warmup``, the peak reserved memory over
+every step and rank, and the last loss, and writes a markdown table (``--out``, rewritten
+after every run, with a ``.json`` beside it) with the ratio to the fp32 AdamW run of the
+same mesh. A variant that fails or runs past ``--timeout`` is recorded with the last
+lines of its log, and the next one starts.
+
+    python scripts/scale_runs.py --ngpu 2 --out docs/scale_8b_2gpu.md          # llama3 8B
+    python scripts/scale_runs.py --ngpu 4 --tp 2 --variants fp32,8bit
+    python scripts/scale_runs.py --config train_configs/llama3_debug.toml --steps 4  # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runs import ROOT, Budget, gpu_count, launch, parse_log, summarize, versions  # noqa: E402
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+# name: (optimizer, [lowbit] weight_dtype, weight_update, converters or None = config's)
+VARIANTS = {
+    "fp32": ("AdamW", "auto", "nearest", None),
+    "8bit": ("AdamW8bit", "auto", "nearest", None),
+    "4bit_bf16_sr": ("AdamW4bit", "bfloat16", "stochastic", None),
+    "bitnet_8bit": ("AdamW8bit", "auto", "nearest", "bitnet"),
+}
+
+
+def variant_overrides(name: str) -> list[str]:
+    optimizer, dtype, update, converters = VARIANTS[name]
+    args = ["--optimizer.name", optimizer, "--lowbit.weight_dtype", dtype,
+            "--lowbit.weight_update", update]
+    return args + (["--model.converters", converters] if converters else [])
+
+
+def describe(name: str, config: dict) -> dict[str, str]:
+    optimizer, dtype, update, converters = VARIANTS[name]
+    precision = config.get("training", {}).get("mixed_precision_param", "bfloat16")
+    weights = ("fp32" if dtype == "auto" else dtype.replace("bfloat16", "bf16"))
+    weights += f", {update} update" if dtype == "bfloat16" else f" (compute {precision})"
+    if converters is None:
+        converters = ",".join(config.get("model", {}).get("converters", [])) or "none"
+    return {"optimizer": optimizer, "weights": weights, "converters": converters}
+
+
+def table(rows: list[dict], header: list[str]) -> str:
+    lines = [
+        "| variant | GPUs | mesh | optimizer | weights / update | converters "
+        "| peak GiB per GPU | tokens/s per GPU | vs fp32 AdamW | final loss |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    base = next((r for r in rows if r["variant"] == "fp32" and r.get("tps")), None)
+    for r in rows:
+        head = (f"| {r['variant']} | {r['ngpu']} | {r['mesh']} | {r['optimizer']} "
+                f"| {r['weights']} | {r['converters']} ")
+        if not r.get("tps"):
+            tail = r["failure"].replace("|", "\\|").replace("\n", "<br>")
+            lines.append(head + f"| failed | | | `{tail}` |")
+            continue
+        ratio = ""
+        if base is not None:
+            ratio = (f"memory {r['peak_gib'] / base['peak_gib']:.2f}x, "
+                     f"tokens/s {r['tps'] / base['tps']:.3f}x")
+        lines.append(head + f"| {r['peak_gib']:.2f} ({r['peak_pct']:.1f}%) | {r['tps']:,.0f} "
+                            f"| {ratio} | {r['loss']:.4f} |")
+    return "\n".join(header + [""] + lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", type=Path, default=ROOT / "train_configs" / "llama3_8b.toml")
+    p.add_argument("--ngpu", type=int, default=2, help="processes: GPUs, or CPU processes")
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_degree (FSDP2 over ngpu/tp)")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=3, help="first steps left out of tokens/s")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated, from {list(VARIANTS)}")
+    p.add_argument("--extra", action="append", default=[],
+                   help="torchtitan overrides for every run, one shell-quoted string")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per run")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds for all runs; later runs get what is left")
+    p.add_argument("--logdir", type=Path, default=ROOT / "outputs" / "scale_runs")
+    p.add_argument("--out", type=Path, default=None,
+                   help="markdown table (default LOGDIR/scale.md)")
+    args = p.parse_args(argv)
+    names = [v for v in args.variants.split(",") if v]
+    if unknown := [v for v in names if v not in VARIANTS]:
+        p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    if not 0 <= args.warmup < args.steps:
+        p.error(f"--warmup {args.warmup} must be below --steps {args.steps}")
+    if args.ngpu % args.tp:
+        p.error(f"--ngpu {args.ngpu} is not a multiple of --tp {args.tp}")
+    out = args.out or args.logdir / "scale.md"
+    config = tomllib.loads(args.config.read_text())
+    extra = [a for s in args.extra for a in shlex.split(s)]
+    gpus, budget = gpu_count(), Budget(args.budget)
+    mesh = f"dp_shard {args.ngpu // args.tp} x tp {args.tp}"
+    header = [
+        f"# Scale runs: {args.config.name}, {mesh}", "",
+        f"Measured {datetime.date.today()} with `python scripts/scale_runs.py "
+        f"{shlex.join(argv)}` ({versions()}). Each row is one run of `scripts/train.sh` "
+        f"for {args.steps} steps; tokens/s per GPU is the median of steps "
+        f"{args.warmup + 1}-{args.steps} (torchtitan's tps), peak memory is torchtitan's "
+        "max reserved memory over every step and rank.",
+    ]
+    rows: list[dict] = []
+    for name in names:
+        timeout = budget.timeout(args.timeout)
+        row = {"variant": name, "ngpu": args.ngpu, "mesh": mesh, **describe(name, config)}
+        if timeout is None:
+            row["failure"] = "not run: --budget spent"
+        else:
+            overrides = [
+                "--training.steps", str(args.steps), "--metrics.log_freq", "1",
+                "--validation.no-enable", "--checkpoint.no-enable",
+                "--parallelism.data_parallel_shard_degree", str(args.ngpu // args.tp),
+                "--parallelism.tensor_parallel_degree", str(args.tp),
+                "--job.dump_folder", str(args.logdir / name), *variant_overrides(name), *extra,
+            ]
+            run = launch(args.config, overrides, args.ngpu, gpus, args.logdir / f"{name}.log",
+                         timeout)
+            figures = summarize(parse_log(run.text()), args.warmup)
+            row["seconds"] = round(run.seconds, 1)
+            if run.rc == 0 and figures and figures["last_step"] == args.steps:
+                row.update(figures)
+            else:
+                why = "timed out" if run.rc is None else f"exit {run.rc}"
+                row["failure"] = f"{why} after {run.seconds:.0f} s: {run.tail(6)}"
+        rows.append(row)
+        status = (f"{row['tps']:,.0f} tok/s/GPU, {row['peak_gib']:.2f} GiB" if row.get("tps")
+                  else row["failure"].splitlines()[0])
+        print(f"scale_runs: {name}: {status} ({row.get('seconds', 0):.0f} s)", flush=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(table(rows, header))
+        out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+    print(out.read_text())
+    return 0 if all(r.get("tps") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
