@@ -11,31 +11,7 @@ import sys
 
 import pytest
 
-from conftest import DEBUG_CONFIG, ROOT, run_train, step_losses
-
-SAVE_STEP = 4
-
-
-@pytest.fixture(scope="module")
-def two_process_checkpoint(tmp_path_factory, prepared_data):
-    """(dump folder, losses, overrides) of a 2-process AdamW4bit + bf16 master-weight run
-    that saved a checkpoint at step SAVE_STEP and trained on to SAVE_STEP + 2."""
-    dump = tmp_path_factory.mktemp("reshard")
-    overrides = ("--optimizer.name", "AdamW4bit", "--lowbit.weight_dtype", "bfloat16",
-                 "--lowbit.weight_update", "master", "--lr_scheduler.total_steps", "8",
-                 "--validation.freq", "1000", "--checkpoint.enable",
-                 "--checkpoint.interval", str(SAVE_STEP), "--job.dump_folder", str(dump))
-    proc = run_train(*overrides, "--training.steps", str(SAVE_STEP + 2))
-    return dump, step_losses(proc.stdout), overrides
-
-
-def resume_folder(tmp_path, checkpoint_dir):
-    """A new dump folder whose only checkpoint is ``checkpoint_dir/step-SAVE_STEP``."""
-    resumed_dump = tmp_path / "resumed"
-    (resumed_dump / "checkpoint").mkdir(parents=True)
-    os.symlink(checkpoint_dir / f"step-{SAVE_STEP}",
-               resumed_dump / "checkpoint" / f"step-{SAVE_STEP}")
-    return resumed_dump
+from conftest import DEBUG_CONFIG, ROOT, SAVE_STEP, resume_folder, run_train, step_losses
 
 
 def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:

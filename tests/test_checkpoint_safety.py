@@ -1,0 +1,153 @@
+"""Checkpoints that cannot be trusted are never resumed from silently.
+
+- A save cut short (a ``step-N`` folder without ``.metadata``, shards half written) is
+  skipped with a warning: the run resumes from the last complete checkpoint with the
+  same per-step losses as the uninterrupted run, and its own save replaces the
+  incomplete folder.
+- A checkpoint whose files were changed after they were written (overwritten bytes:
+  DCP itself loads them silently; truncated or missing files; an unreadable
+  ``.metadata``) stops the run naming the step folder, what is wrong, and the complete
+  checkpoints to resume from instead.
+- A new ``step-N`` is written beside the old one and moved into place only once it is
+  complete.
+"""
+
+import os
+import shutil
+from types import SimpleNamespace
+
+import pytest
+from torch.distributed.checkpoint import FileSystemReader
+
+from conftest import SAVE_STEP, run_train, step_losses
+from titan_lowbit import checkpoint as ckpt
+
+LAST = SAVE_STEP + 2  # the fixture run saved at SAVE_STEP and at its last step, LAST
+
+
+def dump_with(tmp_path, fixture_dump, last_step_dir_edit):
+    """A dump folder holding the fixture's complete step-SAVE_STEP (a link) and a copy of
+    its step-LAST changed by ``last_step_dir_edit(path)``."""
+    folder = tmp_path / "run" / "checkpoint"
+    folder.mkdir(parents=True)
+    os.symlink(fixture_dump / "checkpoint" / f"step-{SAVE_STEP}", folder / f"step-{SAVE_STEP}")
+    shutil.copytree(fixture_dump / "checkpoint" / f"step-{LAST}", folder / f"step-{LAST}")
+    last_step_dir_edit(folder / f"step-{LAST}")
+    return tmp_path / "run"
+
+
+def interrupt(step_dir):
+    """What a save killed half-way leaves: no .metadata (DCP writes it last), a shard
+    file cut in half."""
+    (step_dir / ".metadata").unlink()
+    shard = step_dir / "__1_0.distcp"
+    os.truncate(shard, shard.stat().st_size // 2)
+
+
+def overwrite_optimizer_bytes(step_dir) -> str:
+    """Overwrite 64 bytes in the middle of the largest optimizer-state tensor in
+    ``__0_0.distcp``, inside the tensor's data; return the tensor's key."""
+    meta = FileSystemReader(str(step_dir)).read_metadata()
+    index, info = max(((i, s) for i, s in meta.storage_data.items()
+                       if i.fqn.startswith("optimizer.state.") and s.relative_path == "__0_0.distcp"),
+                      key=lambda item: item[1].length)
+    with open(step_dir / "__0_0.distcp", "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        f.write(b"\xa5" * 64)
+    return index.fqn
+
+
+def test_interrupted_save_is_skipped_and_resume_continues_identically(two_process_checkpoint,
+                                                                       tmp_path):
+    fixture_dump, full, overrides = two_process_checkpoint
+    dump = dump_with(tmp_path, fixture_dump, interrupt)
+
+    proc = run_train(*overrides, "--job.dump_folder", str(dump), "--training.steps", str(LAST))
+    assert "skipping incomplete checkpoint folder(s) ['step-6']" in proc.stdout, proc.stdout[-3000:]
+    assert f"Loading the checkpoint from {dump / 'checkpoint' / f'step-{SAVE_STEP}'}" in proc.stdout
+    resumed = step_losses(proc.stdout)
+    assert resumed == {s: full[s] for s in range(SAVE_STEP + 1, LAST + 1)}, (resumed, full)
+
+    # The run's own last-step save replaced the incomplete folder with a complete one.
+    step_dir = dump / "checkpoint" / f"step-{LAST}"
+    assert ckpt.file_problems(str(step_dir), ckpt.read_metadata(str(step_dir))) == []
+    assert sorted(os.listdir(dump / "checkpoint")) == [f"step-{SAVE_STEP}", f"step-{LAST}"]
+
+
+def test_damaged_checkpoint_stops_the_run_naming_folder_tensor_and_fallback(
+        two_process_checkpoint, tmp_path):
+    fixture_dump, _, overrides = two_process_checkpoint
+    damaged = {}
+    dump = dump_with(tmp_path, fixture_dump,
+                     lambda d: damaged.update(fqn=overwrite_optimizer_bytes(d)))
+
+    proc = run_train(*overrides, "--job.dump_folder", str(dump), "--training.steps", str(LAST + 1),
+                     check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and not step_losses(out), out[-3000:]
+    step_dir = dump / "checkpoint" / f"step-{LAST}"
+    for text in (f"checkpoint {step_dir} is damaged or incomplete and was not loaded",
+                 damaged["fqn"], "Bad CRC-32", f"steps [{SAVE_STEP}]", "--checkpoint.load_step"):
+        assert text in out, (text, out[-3000:])
+
+
+def test_truncated_missing_and_unreadable_files_are_named(two_process_checkpoint, tmp_path):
+    fixture_dump, _, _ = two_process_checkpoint
+    step_dir = tmp_path / f"step-{SAVE_STEP}"
+    shutil.copytree(fixture_dump / "checkpoint" / f"step-{SAVE_STEP}", step_dir)
+    meta = ckpt.read_metadata(str(step_dir))
+    assert ckpt.file_problems(str(step_dir), meta) == []
+
+    fqn = overwrite_optimizer_bytes(step_dir)
+    [problem] = ckpt.file_problems(str(step_dir), meta)
+    assert problem.startswith(f"__0_0.distcp: {fqn} (bytes ") and "Bad CRC-32" in problem
+    # Split between 2 ranks: file 0 is rank 0's to read; sizes are checked by every rank.
+    assert ckpt.file_problems(str(step_dir), meta, rank=1, world=2) == []
+    assert ckpt.file_problems(str(step_dir), meta, crc=False) == []
+
+    size = (step_dir / "__1_0.distcp").stat().st_size
+    os.truncate(step_dir / "__1_0.distcp", size - 100)
+    (step_dir / "__0_0.distcp").unlink()
+    assert ckpt.file_problems(str(step_dir), meta, crc=False) == [
+        "__0_0.distcp is missing",
+        f"__1_0.distcp is truncated: {size - 100} bytes, the index needs {size}",
+    ]
+
+    (step_dir / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(ckpt.CheckpointDamaged, match=r"\.metadata cannot be read") as err:
+        ckpt.read_metadata(str(step_dir))
+    assert "no other complete checkpoint" in str(err.value)
+
+
+def test_new_step_folder_replaces_the_old_only_once_complete(tmp_path):
+    folder = tmp_path / "checkpoint"
+    old = folder / "step-8"
+    old.mkdir(parents=True)
+    (old / ".metadata").write_text("old")
+
+    def failing_save(target):
+        os.makedirs(target, exist_ok=True)
+        with open(os.path.join(target, "__0_0.distcp"), "w") as f:
+            f.write("half")
+        raise OSError("disk full")
+
+    def save(target):
+        os.makedirs(target, exist_ok=True)
+        for name in ("__0_0.distcp", ".metadata"):
+            with open(os.path.join(target, name), "w") as f:
+                f.write("new")
+        return "saved"
+
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.save_atomically(failing_save, str(old))
+    assert sorted(os.listdir(old)) == [".metadata"] and (old / ".metadata").read_text() == "old"
+    # The half-written save is invisible to torchtitan's resume and to its purge.
+    manager = SimpleNamespace(folder=str(folder))
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    assert CheckpointManager._find_load_step(manager) == 8
+    assert ckpt.complete_steps(str(folder)) == [8]
+
+    assert ckpt.save_atomically(save, str(old)) == "saved"
+    assert sorted(os.listdir(folder)) == ["step-8"]
+    assert (old / ".metadata").read_text() == "new" and (old / "__0_0.distcp").read_text() == "new"
