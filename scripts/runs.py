@@ -114,9 +114,12 @@ class Run:
 
     def tail(self, lines: int = 6) -> str:
         """Why the run failed: the last exception line of the log (without the rank
-        prefix) when there is one, then its last ``lines`` lines that say something."""
+        prefix) when there is one, then its last ``lines`` lines that say something; for
+        a run stopped at its timeout, its last torchtitan lines."""
         keep = [PREFIXES.sub("", ANSI.sub("", l)).rstrip() for l in self.text().splitlines()]
         keep = [l for l in keep if l.strip(" =-")]
+        if self.rc is None:  # stopped: what it was doing, not the stop's own traceback
+            return "\n".join(([l for l in keep if "[titan]" in l] or keep)[-lines:])
         errors = [l.strip() for l in keep
                   if ERROR.match(l.strip()) and "ChildFailedError" not in l]
         return "\n".join(errors[-1:] + keep[-lines:])
@@ -160,8 +163,14 @@ def versions() -> str:
 
     parts = []
     if gpu_count():
+        try:
+            driver = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=30).stdout.split()[0]
+        except Exception:  # noqa: BLE001  (no nvidia-smi: leave the driver out)
+            driver = "?"
         parts.append(f"{torch.cuda.get_device_name()} x {torch.cuda.device_count()} visible, "
-                     f"CUDA {torch.version.cuda}")
+                     f"driver {driver}, CUDA {torch.version.cuda}")
     else:
         parts.append(f"CPU ({platform.machine()}, {os.cpu_count()} cores), gloo")
     parts.append(f"torch {torch.__version__}")
