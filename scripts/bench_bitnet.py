@@ -3,6 +3,8 @@
 
     python scripts/bench_bitnet.py                      # GPU: the four shapes, 16384 tokens
     python scripts/bench_bitnet.py --allgather-only     # FSDP2 all-gather bytes (CPU is fine)
+    python scripts/bench_bitnet.py --host-only          # GPU: host time of one layer and its pieces
+    python scripts/bench_bitnet.py --host-breakdown     # host us per piece (GPU; CPU: launches stubbed)
 
 For each (in -> out) shape it times forward+backward of one linear layer (median of
 triton.testing.do_bench, fresh random bf16 inputs) for
@@ -218,6 +220,213 @@ def host_overhead(k, n, dev, tokens=16, iters=200) -> dict:
     return out
 
 
+def stub_triton_launches() -> dict:
+    """Stub out Triton's compiler and launcher, for host-time measurements and launch tests
+    on a machine without a GPU. Must run before triton is imported with TRITON_INTERPRET
+    set (it sets TRITON_INTERPRET=0).
+
+    Triton runs normally up to the launch: Autotuner.run and JITFunction.run bind and
+    specialize the arguments, look the kernel up in its cache and call the compiled
+    kernel's ``run``, which here does nothing but count (and record, when
+    ``stub["record"]`` is a list, the arguments it got); the first launch of each
+    specialization "compiles" a stub instead of a cubin. Returns the counters:
+    ``launches`` (compiled-kernel runs) and ``triton_runs`` (launches that went through
+    JITFunction.run).
+    """
+    os.environ["TRITON_INTERPRET"] = "0"
+    os.environ["TITAN_LOWBIT_INT8_AUTOTUNE"] = "0"  # one tile: nothing to time
+    import triton  # noqa: F401
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    stub = {"launches": 0, "triton_runs": 0, "record": None}
+
+    class _StubKernel:
+        function = 0x5EED
+        packed_metadata = ("packed",)
+
+        def __init__(self, name):
+            self.name = name
+
+        def launch_metadata(self, grid, stream, *args):
+            return {"name": self.name, "grid": grid}
+
+        def run(self, *args):
+            stub["launches"] += 1
+            if stub["record"] is not None:
+                stub["record"].append((self.name, args))
+
+    class _StubDriver:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 7
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    def _do_compile(self, key, signature, device, constexprs, options, attrs, warmup):
+        kernel = _StubKernel(self.__name__)
+        self.device_caches[device][0][key] = kernel
+        return kernel
+
+    jit_run = JITFunction.run
+
+    def _counting_run(self, *args, **kwargs):
+        stub["triton_runs"] += 1
+        return jit_run(self, *args, **kwargs)
+
+    driver.set_active(_StubDriver())
+    JITFunction._do_compile = _do_compile
+    JITFunction.run = _counting_run
+    return stub
+
+
+def _bitnet_gpu_path_on_cpu():
+    """With stubbed launches: CPU tensors take the layer's Triton path (TMA where aligned)."""
+    from titan_lowbit.bitnet import ops
+    from titan_lowbit.kernels import bitnet_matmul as mm
+
+    ops._on_gpu = lambda t: True
+    mm._tma_ok = lambda *ts: all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in ts)
+
+
+def _python_torch_ops(fn) -> int:
+    """torch ops issued from Python (aten ops not nested in another aten op) by one call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    n = 0
+    for ev in prof.events():
+        if not ev.name.startswith("aten::"):
+            continue
+        parent = ev.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        n += parent is None
+    return n
+
+
+def host_breakdown(k, n, dev, tokens=16, iters=300, launch_counter=None) -> dict:
+    """Host microseconds of each piece of one BitNet layer, and what one layer issues.
+
+    Wall time per call at 16 tokens (GPU idle, one synchronization at the end); the
+    fastest of five repetitions (host time only grows under interference). On CPU
+    (``stub_triton_launches``) the Triton launches are no-ops, so the figures are the
+    Python/torch work around them.
+    """
+    from titan_lowbit.bitnet import BitNetTernaryWeight, BitNetTrainingWeight, ops
+    from titan_lowbit.kernels import bitnet_matmul as mm
+    from titan_lowbit.kernels import bitnet_quant as bq
+
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, n, device=dev, dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device=dev) * k**-0.5).to(torch.bfloat16).requires_grad_()
+    w32 = w.detach().float()
+    g = bq.absmean_scale_reference(w.detach())
+    codes = bq.ternarize(w.detach(), g)
+    codes_t = codes.t().contiguous()
+    packed = bq.ternarize(w.detach(), g, pack=True)
+    gathered = BitNetTernaryWeight(codes, g, torch.bfloat16).requires_grad_()
+    latent = nn.Parameter(BitNetTrainingWeight(w32.clone()))
+    xd = x.detach()
+    xq, xs = bq.quantize_rows(xd)
+    dq, ds = bq.quantize_rows(dy)
+    wgrad_in = torch.empty(tokens, k, device=dev, dtype=torch.bfloat16)
+
+    def per_call_us(fn):
+        reps = []
+        for _ in range(5):
+            for _ in range(10):
+                fn()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            sync()
+            reps.append((time.perf_counter() - t0) / iters * 1e6)
+        return min(reps)
+
+    def layer(weight):
+        def run():
+            F.linear(x, weight).backward(dy)
+            x.grad = weight.grad = None
+        return run
+
+    def forward(weight):
+        def run():
+            with torch.no_grad():
+                F.linear(xd, weight)
+        return run
+
+    def autocast_layer():
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            F.linear(x, latent).backward(dy)
+        x.grad = latent.grad = None
+
+    pieces = {
+        # whole layer, forward + backward
+        "layer_bf16": layer(w),
+        "layer_bitnet": layer(gathered),
+        "layer_bitnet_wq_fp32_autocast": autocast_layer,
+        "forward_bitnet_nograd": forward(gathered),
+        # custom ops
+        "op_quantize_weight": lambda: ops.quantize_weight(w32),
+        "op_linear_forward": lambda: ops.linear_forward(xd, codes, g),
+        "op_linear_backward": lambda: ops.linear_backward(dy, xq, xs, codes, g, True, True, True,
+                                                          torch.float32),
+        # kernels (Python wrappers + launch)
+        "quantize_rows": lambda: bq.quantize_rows(xd),
+        "dequantize_rows": lambda: bq.dequantize_rows(xq, xs, torch.bfloat16),
+        "ternarize": lambda: bq.ternarize(w32, g),
+        "ternarize_packed": lambda: bq.ternarize(w32, g, pack=True),
+        "unpack_ternary": lambda: bq.unpack_ternary(packed, k),
+        "int8_mm_fwd_tma": lambda: mm.int8_matmul_scaled(xq, codes, xs, g, torch.bfloat16, impl="tma"),
+        "int8_mm_fwd_pointer": lambda: mm.int8_matmul_scaled(xq, codes, xs, g, torch.bfloat16,
+                                                             impl="pointer"),
+        "int8_mm_dgrad_auto": lambda: mm.int8_matmul_scaled(dq, codes_t, ds, g, torch.bfloat16),
+        "absmean_scale_reference": lambda: bq.absmean_scale_reference(w32),
+        # torch baselines
+        "torch_empty": lambda: torch.empty(tokens, k, device=dev, dtype=torch.int8),
+        "torch_mm": lambda: dy.t() @ wgrad_in,
+        "transpose_copy_codes": lambda: codes.t().contiguous(),
+    }
+    out = {"shape": f"{k}->{n}", "tokens": tokens, "device": str(dev)}
+    for name, fn in pieces.items():
+        out[f"{name}_us"] = round(per_call_us(fn), 1)
+    # What one layer's forward + backward issues. Triton launches: the stub's counter on
+    # CPU, a launch hook on the GPU (Triton's launcher calls it for every launch).
+    hook = None
+    if launch_counter is None:
+        from triton import knobs
+
+        launch_counter = {"launches": 0}
+
+        def hook(metadata):
+            launch_counter["launches"] += 1
+
+        knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        for name in ("layer_bf16", "layer_bitnet", "layer_bitnet_wq_fp32_autocast"):
+            before = launch_counter["launches"]
+            pieces[name]()
+            sync()
+            out[f"{name}_triton_launches"] = launch_counter["launches"] - before
+            out[f"{name}_torch_ops"] = _python_torch_ops(pieces[name])
+    finally:
+        if hook is not None:
+            knobs.runtime.launch_enter_hook.remove(hook)
+    return out
+
+
 def allgather_bytes(flavor: str, filter_fqns=("output",)) -> dict:
     """Per-step FSDP2 all-gather payload (all ranks' shards together) for a llama3 flavor.
 
@@ -345,18 +554,51 @@ def _table(rows, ceil):
     return "\n".join(lines)
 
 
+def _parse_shapes(spec: str) -> list[tuple[int, int]]:
+    return [tuple(int(v) for v in item.split("x")) for item in spec.split(",")]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES),
-                    help="comma-separated INxOUT")
+    ap.add_argument("--shapes", default=None,
+                    help="comma-separated INxOUT (default: the four shapes above; for "
+                         "--host-breakdown the two 2048-wide ones on a GPU, 128x256,256x128 on CPU)")
     ap.add_argument("--no-torchao", action="store_true")
     ap.add_argument("--allgather-only", action="store_true")
     ap.add_argument("--host-only", action="store_true", help="only the host-overhead timing")
+    ap.add_argument("--host-breakdown", action="store_true",
+                    help="host microseconds of each piece of one BitNet layer (GPU, or CPU with "
+                         "the Triton launches stubbed out)")
     ap.add_argument("--measure-gloo", action="store_true",
                     help="also count real FSDP2 all-gather bytes on 2 gloo processes (debug model)")
     ap.add_argument("--json", help="write all numbers here")
     args = ap.parse_args()
+    if args.host_breakdown:
+        counter = None
+        if not torch.cuda.is_available():
+            counter = stub_triton_launches()
+            _bitnet_gpu_path_on_cpu()
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        # Host time hardly depends on the shape, GPU time does: the pieces that read the
+        # whole weight (quantize_weight, ternarize, the transposed copy) stay host-bound
+        # on an H100 for the 2048-wide shapes, not for the 4096 x 14336 ones. On CPU the
+        # torch ops run for real, hence small shapes there.
+        shapes = _parse_shapes(args.shapes) if args.shapes else (
+            SHAPES[:2] if dev.type == "cuda" else [(128, 256), (256, 128)])
+        if dev.type == "cpu":
+            torch.set_num_threads(1)
+        res = {"argv": sys.argv, "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+               "torch": torch.__version__, "stubbed_launches": counter is not None,
+               "breakdown": [host_breakdown(k, n, dev, launch_counter=counter) for k, n in shapes]}
+        import triton
+        res["triton"] = triton.__version__
+        for b in res["breakdown"]:
+            print(json.dumps(b), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return
 
     out = {"argv": sys.argv, "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
            "torch": torch.__version__, "python": platform.python_version()}
@@ -390,8 +632,7 @@ def main():
         ceil = _ceilings(dev)
         out["ceilings"] = ceil
         rows = []
-        for spec in args.shapes.split(","):
-            k, n = (int(v) for v in spec.split("x"))
+        for k, n in _parse_shapes(args.shapes) if args.shapes else SHAPES:
             rows.append(_linear_rows(args.tokens, k, n, dev, ceil, not args.no_torchao))
             print(json.dumps(rows[-1]), flush=True)
         out["linear"] = rows
