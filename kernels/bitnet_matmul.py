@@ -14,6 +14,10 @@ int32 accumulator holds K up to 133 000 without overflow (checked).
 
 The forward pass uses it as y = x^ W^T (a = x codes, b = W codes); grad_input as
 dx = dy^ W (a = dy codes, b = W codes transposed).
+
+The first call of each shape autotunes through Triton's autotuner; later calls launch the
+chosen tile's compiled kernel directly (``bitnet_launch.FastKernel``), building the TMA
+descriptors with that tile's box instead of running the autotuner's pre-hook.
 """
 
 from __future__ import annotations
@@ -24,8 +28,14 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .bitnet_launch import FastKernel, arg_key
+from .bitnet_launch import cdiv as _cdiv
 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Triton fixes interpretation when a kernel is defined (module import), so read it once.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # 127 * 127 * K < 2**31  <=>  K < 133 144
 MAX_K = (2**31 - 1) // (127 * 127)
 
@@ -38,7 +48,7 @@ def _set_tma_blocks(nargs):
 
 def _configs(tma: bool) -> list[triton.Config]:
     hook = _set_tma_blocks if tma else None
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if INTERPRET:
         # The interpreter runs every program in numpy; one small tile keeps tests quick
         # and exercises the ragged edges.
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2},
@@ -145,7 +155,7 @@ def _check(a, b, a_scale, b_scale, out_dtype):
     if a.shape[1] > MAX_K:
         raise ValueError(f"BitNet int8 matmul: K = {a.shape[1]} > {MAX_K} could overflow the "
                          "int32 accumulator")
-    if a_scale.shape != (a.shape[0],) or a_scale.dtype != torch.float32:
+    if a_scale.dtype != torch.float32 or a_scale.dim() != 1 or a_scale.shape[0] != a.shape[0]:
         raise ValueError("BitNet int8 matmul: a_scale must be fp32 with one value per row of a")
     if b_scale.numel() != 1 or b_scale.dtype != torch.float32:
         raise ValueError("BitNet int8 matmul: b_scale must be a one-element fp32 tensor")
@@ -161,10 +171,23 @@ def _has_tma(device_index: int) -> bool:
 
 def _tma_ok(*ts: torch.Tensor) -> bool:
     # TMA wants 16-byte-aligned bases and row strides, and a Hopper-or-newer GPU.
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        if not ts[0].is_cuda or not _has_tma(ts[0].device.index or 0):
+    if not INTERPRET:
+        if not ts[0].is_cuda or not _has_tma(ts[0].get_device()):
             return False
-    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in ts)
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in ts)  # int8: bytes
+
+
+class _CheckedDescriptor(TensorDescriptor):
+    """A TensorDescriptor whose constraints were checked already: 16-byte-aligned base
+    and row stride (``_tma_ok``), positive shape, and the box of a tile that the first,
+    validated launch of the same key used. Skips the per-construction validation."""
+
+    def __post_init__(self):
+        pass
+
+
+_POINTER = FastKernel(_int8_matmul_kernel)
+_TMA = FastKernel(_int8_matmul_tma_kernel)
 
 
 def int8_matmul_scaled(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
@@ -174,12 +197,22 @@ def int8_matmul_scaled(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
 
     impl: "tma" (Hopper tensor-descriptor loads), "pointer" (cp.async loads, any
     alignment) or "auto" (TMA where the operands allow it). Both compute the same sums.
+    After the first call of each shape (which autotunes), launches skip Triton's
+    autotuner and launch preparation (``bitnet_launch.FastKernel``).
     """
     _check(a, b, a_scale, b_scale, out_dtype)
-    if impl not in ("auto", "tma", "pointer"):
+    if impl == "auto":
+        use_tma = None
+    elif impl in ("tma", "pointer"):
+        use_tma = impl == "tma"
+    else:
         raise ValueError(f"BitNet int8 matmul: impl={impl!r}; choose auto, tma or pointer")
-    a = a if a.stride(-1) == 1 else a.contiguous()
-    b = b if b.stride(-1) == 1 else b.contiguous()
+    if a.stride(1) != 1:
+        a = a.contiguous()
+    if b.stride(1) != 1:
+        b = b.contiguous()
+    if a_scale.stride(0) != 1:
+        a_scale = a_scale.contiguous()
     M, K = a.shape
     N = b.shape[0]
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
@@ -187,25 +220,44 @@ def int8_matmul_scaled(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
         return out
     if K == 0:
         return out.zero_()
+    tma_ok = _tma_ok(a, b)
+    if use_tma is None:
+        use_tma = tma_ok
+    elif use_tma and not tma_ok:
+        raise ValueError("BitNet int8 matmul: impl='tma' needs 16-byte-aligned operands "
+                         "and row strides on a Hopper GPU; use impl='pointer'")
+    if use_tma:
+        tail = (a_scale, b_scale, out, M, N, K, N)
+        kernel = _TMA
+    else:
+        tail = (a, b, a_scale, b_scale, out, M, N, K, a.stride(0), b.stride(0), N)
+        kernel = _POINTER
+    # The operands' strides are in the key too (TMA descriptors carry them).
+    key = (arg_key(tail), a.stride(0), b.stride(0))
+    entry = kernel.lookup(key)
+    if entry is not None:
+        bm, bn, bk = entry.config
+        grid = (_cdiv(M, bm) * _cdiv(N, bn),)
+        if use_tma:
+            args = (_CheckedDescriptor(a, [M, K], [a.stride(0), 1], [bm, bk]),
+                    _CheckedDescriptor(b, [N, K], [b.stride(0), 1], [bn, bk]), *tail)
+        else:
+            args = tail
+        kernel.fire(entry, grid, args)
+        return out
 
     def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+        return (_cdiv(M, meta["BLOCK_M"]) * _cdiv(N, meta["BLOCK_N"]),)
 
-    use_tma = _tma_ok(a, b) if impl == "auto" else impl == "tma"
     if use_tma:
-        if not _tma_ok(a, b):
-            raise ValueError("BitNet int8 matmul: impl='tma' needs 16-byte-aligned operands "
-                             "and row strides on a Hopper GPU; use impl='pointer'")
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
         # Box shapes are placeholders; the autotune pre-hook sets each config's tile.
-        a_desc = TensorDescriptor.from_tensor(a, [16, 16])
-        b_desc = TensorDescriptor.from_tensor(b, [16, 16])
-        _int8_matmul_tma_kernel[grid](a_desc, b_desc, a_scale, b_scale.reshape(()), out,
-                                      M, N, K, out.stride(0))
+        args = (TensorDescriptor(a, [M, K], [a.stride(0), 1], [16, 16]),
+                TensorDescriptor(b, [N, K], [b.stride(0), 1], [16, 16]), *tail)
     else:
-        _int8_matmul_kernel[grid](a, b, a_scale, b_scale.reshape(()), out, M, N, K,
-                                  a.stride(0), b.stride(0), out.stride(0))
+        args = tail
+    compiled = kernel.kernel[grid](*args)
+    best = kernel.kernel.best_config.kwargs
+    kernel.remember(key, compiled, best, config=(best["BLOCK_M"], best["BLOCK_N"], best["BLOCK_K"]))
     return out
 
 

@@ -8,8 +8,11 @@ Math (arXiv 2402.17764, "BitNet b1.58"), with EPS = 1e-5:
         q[m, k] = clamp(floor(x[m, k] * r[m] + 0.5), -127, 127)  (int8; x ~= q * s)
 
     weights, one scale per tensor (abs-mean, ternary):
-        g       = max(sum |W| / numel(W), EPS)                   (computed by the caller: under
-                                                                  FSDP the sum spans all shards)
+        g       = max(sum |W| / numel(W), EPS)                   (IEEE fp32 division by fp32(numel);
+                                                                  sum |W| from the caller, under
+                                                                  FSDP all-reduced over the shards;
+                                                                  ternarize_from_sum derives g in
+                                                                  the ternarizing kernel)
         t[n, k] = clamp(floor(W[n, k] * (1 / g) + 0.5), -1, 1)   (int8 in {-1, 0, +1}; W ~= t * g)
 
     2-bit packing of ternary values, four per byte along the last dimension:
@@ -23,13 +26,21 @@ x * r + 0.5 into one fused multiply-add (one rounding instead of two), so a code
 differ by one where x * r lies within an ulp of a rounding boundary; the GPU tests allow
 that for a tiny fraction of elements. Multiplying by the per-row reciprocal instead of
 dividing every element keeps the kernels memory-bound.
+
+Launches go through ``bitnet_launch.FastKernel``: Triton's launch path the first time per
+argument specialization, the cached compiled kernel afterwards (host time per launch).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+from .bitnet_launch import FastKernel
+from .bitnet_launch import cdiv as _cdiv
 
 EPS = 1e-5
 QMAX = 127
@@ -52,6 +63,10 @@ def check_float_input(name: str, t: torch.Tensor) -> None:
 def _check_2d(name: str, t: torch.Tensor) -> None:
     if t.dim() != 2:
         raise ValueError(f"BitNet: {name} must be 2-D, got shape {tuple(t.shape)}")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 # --------------------------------------------------------------------------------------
@@ -94,6 +109,21 @@ def _quantize_rows_kernel(
     tl.store(scale_ptr + rows, scale, mask=row_ok)
 
 
+@functools.lru_cache(maxsize=None)
+def _quantize_tiles(K: int, block_k: int | None) -> tuple[int, int, bool, int]:
+    full = _next_pow2(max(K, 16))
+    if block_k is None:
+        block_k = min(full, MAX_SINGLE_PASS_COLS)
+    single = block_k >= K
+    # Aim for ~4K elements per program so short rows still give each program real work.
+    block_m = max(1, min(16, 4096 // block_k)) if single else 1
+    num_warps = 4 if block_k * block_m <= 4096 else (8 if block_k * block_m <= 8192 else 16)
+    return block_m, block_k, single, num_warps
+
+
+_QUANTIZE_ROWS = FastKernel(_quantize_rows_kernel)
+
+
 def quantize_rows(x: torch.Tensor, block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise abs-max int8 quantization of a 2-D tensor in one fused kernel.
 
@@ -103,23 +133,16 @@ def quantize_rows(x: torch.Tensor, block_k: int | None = None) -> tuple[torch.Te
     """
     _check_2d("quantize_rows input", x)
     check_float_input("quantize_rows input", x)
-    if x.stride(-1) != 1:
+    if x.stride(1) != 1:
         x = x.contiguous()
     M, K = x.shape
     q = torch.empty((M, K), dtype=torch.int8, device=x.device)
     scale = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M == 0:
         return q, scale
-    full = triton.next_power_of_2(max(K, 16))
-    if block_k is None:
-        block_k = min(full, MAX_SINGLE_PASS_COLS)
-    single = block_k >= K
-    # Aim for ~4K elements per program so short rows still give each program real work.
-    block_m = max(1, min(16, 4096 // block_k)) if single else 1
-    num_warps = 4 if block_k * block_m <= 4096 else (8 if block_k * block_m <= 8192 else 16)
-    grid = (triton.cdiv(M, block_m),)
-    _quantize_rows_kernel[grid](
-        x, q, scale, M, K, x.stride(0), q.stride(0),
+    block_m, block_k, single, num_warps = _quantize_tiles(K, block_k)
+    _QUANTIZE_ROWS(
+        (_cdiv(M, block_m),), (x, q, scale, M, K, x.stride(0), K),
         EPS_C=EPS, QMAX_C=float(QMAX), BLOCK_M=block_m, BLOCK_K=block_k,
         SINGLE_PASS=single, num_warps=num_warps,
     )
@@ -155,20 +178,23 @@ def _dequantize_rows_kernel(
     tl.store(out_ptr + r64 * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_DEQUANTIZE_ROWS = FastKernel(_dequantize_rows_kernel)
+
+
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """out[m, k] = q[m, k] * scale[m], rounded once to ``dtype`` (the saved activation x^)."""
     _check_2d("dequantize_rows codes", q)
     if dtype not in SUPPORTED_FLOAT_DTYPES:
         raise TypeError(f"BitNet: dequantize_rows cannot produce dtype {dtype}")
-    q = q.contiguous()
+    if q.stride(1) != 1:
+        q = q.contiguous()
     M, K = q.shape
     out = torch.empty((M, K), dtype=dtype, device=q.device)
-    if q.numel() == 0:
+    if M == 0 or K == 0:
         return out
     block_m, block_k = 8, 512
-    grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
-    _dequantize_rows_kernel[grid](q, scale, out, M, K, q.stride(0), out.stride(0),
-                                  BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4)
+    _DEQUANTIZE_ROWS((_cdiv(M, block_m), _cdiv(K, block_k)), (q, scale, out, M, K, q.stride(0), K),
+                     BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4)
     return out
 
 
@@ -192,20 +218,30 @@ def absmean_scale_reference(w: torch.Tensor, abs_sum: torch.Tensor | None = None
     if abs_sum is None:
         abs_sum = torch.linalg.vector_norm(w, 1, dtype=torch.float32)
     n = w.numel() if numel is None else numel
-    return (abs_sum.float() / n).clamp_min(EPS)
+    abs_sum = abs_sum.float()
+    # Tensor / tensor: an IEEE division (by fp32(n)) on every device, as the kernels do.
+    return (abs_sum / torch.full_like(abs_sum, n)).clamp_min(EPS)
 
 
 @triton.jit
 def _ternarize_kernel(
-    w_ptr, scale_ptr, out_ptr, R, C, stride_wr, stride_or,
-    PACK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    w_ptr, scale_ptr, out_ptr, scale_out_ptr, numel, R, C, stride_wr, stride_or,
+    PACK: tl.constexpr, FROM_SUM: tl.constexpr, EPS_C: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     # BLOCK_C counts output columns: ternary columns (PACK=False) or packed bytes (PACK=True).
+    # FROM_SUM: scale_ptr holds sum |W|; every program computes g = max(sum / numel, EPS)
+    # (IEEE division) and program (0, 0) writes it to scale_out_ptr.
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ocols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_ok = (rows < R)[:, None]
     r64 = rows.to(tl.int64)[:, None]
-    g = tl.load(scale_ptr)
+    if FROM_SUM:
+        g = tl.maximum(tl.math.div_rn(tl.load(scale_ptr), numel), EPS_C)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(scale_out_ptr, g)
+    else:
+        g = tl.load(scale_ptr)
     recip = tl.math.div_rn(1.0, g)
     if PACK:
         packed = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int32)
@@ -224,12 +260,37 @@ def _ternarize_kernel(
         tl.store(out_ptr + r64 * stride_or + ocols[None, :], t.to(tl.int8), mask=m)
 
 
+_TERNARIZE = FastKernel(_ternarize_kernel)
+
+
 def _check_scale(scale: torch.Tensor, like: torch.Tensor) -> None:
-    if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != like.device:
+    _check_scale_input("the weight scale", scale, like)
+
+
+def _check_scale_input(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
+    if t.numel() != 1 or t.dtype != torch.float32 or t.device != like.device:
         raise ValueError(
-            "BitNet: the weight scale must be a one-element fp32 tensor on the weight's "
-            f"device, got shape {tuple(scale.shape)} {scale.dtype} on {scale.device}"
+            f"BitNet: {name} must be a one-element fp32 tensor on the weight's "
+            f"device, got shape {tuple(t.shape)} {t.dtype} on {t.device}"
         )
+
+
+def _ternarize_launch(w, scale_in, scale_out, numel: float, pack: bool, from_sum: bool):
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    R, C = w.shape
+    out_cols = _cdiv(C, 4) if pack else C
+    out = torch.empty((R, out_cols), dtype=torch.uint8 if pack else torch.int8, device=w.device)
+    if R == 0 or out_cols == 0:
+        if from_sum:  # no program would write the scale
+            scale_out.copy_(absmean_scale_reference(w, scale_in, int(numel)))
+        return out
+    block_r, block_c = 16, 128 if pack else 256
+    _TERNARIZE((_cdiv(R, block_r), _cdiv(out_cols, block_c)),
+               (w, scale_in, out, scale_out, numel, R, C, w.stride(0), out_cols),
+               PACK=pack, FROM_SUM=from_sum, EPS_C=EPS, BLOCK_R=block_r, BLOCK_C=block_c,
+               num_warps=4)
+    return out
 
 
 def ternarize(w: torch.Tensor, scale: torch.Tensor, pack: bool = False) -> torch.Tensor:
@@ -241,18 +302,23 @@ def ternarize(w: torch.Tensor, scale: torch.Tensor, pack: bool = False) -> torch
     _check_2d("ternarize weight", w)
     check_float_input("ternarize weight", w)
     _check_scale(scale, w)
-    if w.stride(-1) != 1:
-        w = w.contiguous()
-    R, C = w.shape
-    out_cols = triton.cdiv(C, 4) if pack else C
-    out = torch.empty((R, out_cols), dtype=torch.uint8 if pack else torch.int8, device=w.device)
-    if out.numel() == 0:
-        return out
-    block_r, block_c = 16, 128 if pack else 256
-    grid = (triton.cdiv(R, block_r), triton.cdiv(out_cols, block_c))
-    _ternarize_kernel[grid](w, scale, out, R, C, w.stride(0), out.stride(0),
-                            PACK=pack, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
-    return out
+    return _ternarize_launch(w, scale, scale, 1.0, pack, False)
+
+
+def ternarize_from_sum(w: torch.Tensor, abs_sum: torch.Tensor, numel: int,
+                       pack: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ternary codes of a 2-D weight and its abs-mean scale from ``abs_sum`` = sum |W|, in
+    one kernel: (codes as ``ternarize`` returns them, g = max(abs_sum / numel, EPS)).
+
+    ``abs_sum`` (fp32, one element) and ``numel`` cover the whole weight: under FSDP the
+    all-reduced sum and the global element count. The scale is the one
+    ``absmean_scale_reference(w, abs_sum, numel)`` computes (an IEEE division by fp32(numel)).
+    """
+    _check_2d("ternarize weight", w)
+    check_float_input("ternarize weight", w)
+    _check_scale_input("the abs-sum of the weight", abs_sum, w)
+    scale = torch.empty((), dtype=torch.float32, device=w.device)
+    return _ternarize_launch(w, abs_sum, scale, float(numel), pack, True), scale
 
 
 def ternarize_reference(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -294,25 +360,29 @@ def _unpack_kernel(p_ptr, out_ptr, R, C, stride_pr, stride_or,
         tl.store(out_ptr + r64 * stride_or + c[None, :], t.to(tl.int8), mask=row_ok & (c < C)[None, :])
 
 
+_UNPACK = FastKernel(_unpack_kernel)
+
+
 def unpack_ternary(packed: torch.Tensor, cols: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Unpack uint8 [R, ceil(cols / 4)] into int8 ternary values [R, cols] (into ``out`` if given)."""
     _check_2d("unpack_ternary input", packed)
     if packed.dtype != torch.uint8:
         raise TypeError(f"BitNet: unpack_ternary takes uint8 packed codes, got {packed.dtype}")
-    R = packed.shape[0]
-    if packed.shape[1] != triton.cdiv(cols, 4):
-        raise ValueError(f"BitNet: {packed.shape[1]} packed bytes per row cannot hold {cols} columns")
+    R, pcols = packed.shape
+    if pcols != _cdiv(cols, 4):
+        raise ValueError(f"BitNet: {pcols} packed bytes per row cannot hold {cols} columns")
     if out is None:
         out = torch.empty((R, cols), dtype=torch.int8, device=packed.device)
     elif out.shape != (R, cols) or out.dtype != torch.int8 or not out.is_contiguous():
         raise ValueError(f"BitNet: unpack_ternary out must be contiguous int8 {(R, cols)}")
-    if out.numel() == 0:
+    if R == 0 or cols == 0:
         return out
-    packed = packed.contiguous()
+    if packed.stride(1) != 1:
+        packed = packed.contiguous()
     block_r, block_c = 16, 128
-    grid = (triton.cdiv(R, block_r), triton.cdiv(packed.shape[1], block_c))
-    _unpack_kernel[grid](packed, out, R, cols, packed.stride(0), out.stride(0),
-                         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    _UNPACK((_cdiv(R, block_r), _cdiv(pcols, block_c)),
+            (packed, out, R, cols, packed.stride(0), cols),
+            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
     return out
 
 

@@ -101,6 +101,33 @@ def test_ternarize_and_pack_match_reference(shape, dtype):
     assert torch.equal(bq.unpack_ternary_reference(packed, shape[1]), t)
 
 
+@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", ROW_SHAPES)
+def test_ternarize_from_sum_matches_reference(shape, dtype, pack):
+    """The scale derived inside the kernel from sum |W| (and a global element count, as
+    under FSDP) is the reference's bit for bit, and the codes are ternarize's."""
+    w = (torch.randn(*shape, device=DEVICE) * 0.02).to(dtype)
+    for abs_sum, numel in ((torch.linalg.vector_norm(w, 1, dtype=torch.float32), w.numel()),
+                           (torch.rand((), device=DEVICE) * 3, 4 * w.numel() + 3),
+                           (torch.zeros((), device=DEVICE), w.numel())):  # EPS branch
+        codes, g = bq.ternarize_from_sum(w, abs_sum, numel, pack=pack)
+        g_ref = bq.absmean_scale_reference(w, abs_sum, numel)
+        assert g.dtype == torch.float32 and g.shape == ()
+        torch.testing.assert_close(g, g_ref, rtol=0, atol=0)
+        assert torch.equal(codes, bq.ternarize(w, g_ref, pack=pack))
+
+
+def test_absmean_scale_reference_is_an_ieee_division():
+    """sum / fp32(numel), correctly rounded, on every device (no reciprocal multiply)."""
+    s = torch.tensor(7000.3, device=DEVICE)  # quotients above EPS
+    for n in (3, 7, 10, 11 * 2**24 + 1):
+        n32 = torch.tensor(float(n), dtype=torch.float32).item()
+        # An fp32 quotient computed in fp64 and rounded once is correctly rounded.
+        expected = torch.tensor(s.item() / n32, dtype=torch.float32).item()
+        assert bq.absmean_scale_reference(torch.zeros(1, device=DEVICE), s, n).item() == expected
+
+
 def test_pack_roundtrips_every_ternary_pattern():
     # All 3**4 = 81 groups of four ternary values, in order, one per byte.
     vals = torch.cartesian_prod(*[torch.tensor([-1, 0, 1])] * 4).to(torch.int8)
@@ -164,6 +191,9 @@ def test_kernels_refuse_unsupported_input():
         bq.ternarize(torch.ones(4, 8, dtype=torch.int32, device=DEVICE), torch.tensor(1.0, device=DEVICE))
     with pytest.raises(ValueError, match="one-element fp32"):
         bq.ternarize(torch.ones(4, 8, device=DEVICE), torch.ones(2, device=DEVICE))
+    with pytest.raises(ValueError, match="one-element fp32"):
+        bq.ternarize_from_sum(torch.ones(4, 8, device=DEVICE), torch.ones((), dtype=torch.float64,
+                                                                          device=DEVICE), 32)
     with pytest.raises(ValueError, match="2-D"):
         bq.quantize_rows(torch.randn(2, 3, 4, device=DEVICE))
     a8 = torch.zeros(4, 8, dtype=torch.int8, device=DEVICE)
