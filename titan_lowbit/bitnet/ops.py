@@ -1,6 +1,6 @@
 """BitNet b1.58 linear: custom ops over the kernels, and the straight-through autograd.
 
-The kernels run inside three ``torch.library`` custom ops with fake (meta) kernels
+The kernels run inside three ``torch.library`` operators with fake (meta) kernels
 (weight quantization, forward, backward), so torch.compile sees opaque nodes instead of
 tracing into Triton launch code, and the ops run on CUDA through the Triton kernels and
 on every other device through the pure-PyTorch references of the same math (the
@@ -47,62 +47,93 @@ def _int8_mm(a, b, a_scale, b_scale, out_dtype):
     return fn(a, b, a_scale, b_scale, out_dtype)
 
 
-# Three coarse custom ops per layer (weight quantization, forward, backward) rather than
-# one per kernel: each custom-op call costs host time in the dispatcher, and at 1B-model
-# sizes a step issues hundreds of them.
+# Three coarse operators per layer (weight quantization, forward, backward) rather than
+# one per kernel: each operator call costs host time in the dispatcher, and at 1B-model
+# sizes a step issues hundreds of them. They are defined with torch.library.Library
+# rather than torch.library.custom_op: these operators need no autograd formula (they
+# run inside BitNetLinearFunction), and custom_op's per-call Python layers (autograd
+# wrapper, Dynamo guard, aliasing check) cost about twice the dispatch itself.
+
+_LIB = torch.library.Library("titan_lowbit", "FRAGMENT")
 
 
-@torch.library.custom_op("titan_lowbit::bitnet_quantize_weight", mutates_args=())
-def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _define(schema: str, impl, fake):
+    name = schema.split("(", 1)[0]
+    _LIB.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"titan_lowbit::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.titan_lowbit, name).default
+
+
+def _quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Ternary codes (int8) and abs-mean scale (fp32, 0-d) of an unsharded 2-D weight."""
+    if _on_gpu(w):
+        # One L1-norm reduction, then one kernel that derives the scale and ternarizes.
+        abs_sum = torch.linalg.vector_norm(w, 1, dtype=torch.float32)
+        return _q.ternarize_from_sum(w, abs_sum, w.numel())
     scale = absmean_scale(w)
-    return (_q.ternarize if _on_gpu(w) else _q.ternarize_reference)(w, scale), scale
+    return _q.ternarize_reference(w, scale), scale
 
 
-@quantize_weight.register_fake
-def _(w):
+def _quantize_weight_fake(w):
     return w.new_empty(w.shape, dtype=torch.int8), w.new_empty((), dtype=torch.float32)
 
 
-@torch.library.custom_op("titan_lowbit::bitnet_linear_forward", mutates_args=())
-def linear_forward(x: torch.Tensor, w_codes: torch.Tensor,
-                   w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+quantize_weight = _define("bitnet_quantize_weight(Tensor w) -> (Tensor, Tensor)",
+                          _quantize_weight, _quantize_weight_fake)
+
+
+def _linear_forward(x: torch.Tensor, w_codes: torch.Tensor,
+                    w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """y = (x codes @ W codes^T) * s_x * g for 2-D x; also returns x's codes and row scales."""
     x_codes, x_scale = _quantize_rows(x)
     return _int8_mm(x_codes, w_codes, x_scale, w_scale, x.dtype), x_codes, x_scale
 
 
-@linear_forward.register_fake
-def _(x, w_codes, w_scale):
+def _linear_forward_fake(x, w_codes, w_scale):
     return (x.new_empty((x.shape[0], w_codes.shape[0])), x.new_empty(x.shape, dtype=torch.int8),
             x.new_empty((x.shape[0],), dtype=torch.float32))
 
 
-@torch.library.custom_op("titan_lowbit::bitnet_linear_backward", mutates_args=())
-def linear_backward(dy: torch.Tensor, x_codes: torch.Tensor, x_scale: torch.Tensor,
-                    w_codes: torch.Tensor, w_scale: torch.Tensor, int8_backward: bool,
-                    need_dx: bool, need_dw: bool,
-                    dw_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+linear_forward = _define(
+    "bitnet_linear_forward(Tensor x, Tensor w_codes, Tensor w_scale) -> (Tensor, Tensor, Tensor)",
+    _linear_forward, _linear_forward_fake)
+
+
+def _linear_backward(dy: torch.Tensor, x_codes: torch.Tensor, x_scale: torch.Tensor,
+                     w_codes: torch.Tensor, w_scale: torch.Tensor, int8_backward: bool,
+                     need_dx: bool, need_dw: bool,
+                     dw_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dW) of the straight-through BitNet linear for 2-D dy; an empty tensor stands
     for a gradient that is not needed."""
-    dx = dw = dy.new_empty((0,))
     if need_dx:
         if int8_backward:
             dy_codes, dy_scale = _quantize_rows(dy)
             # K-major copy of the ternary weight for the int8 tensor cores ([K, N]).
             dx = _int8_mm(dy_codes, w_codes.t().contiguous(), dy_scale, w_scale, dy.dtype)
         else:
-            dx = dy @ (w_codes.to(torch.float32) * w_scale).to(dy.dtype)
+            dx = torch.mm(dy, (w_codes.to(torch.float32) * w_scale).to(dy.dtype))
+    else:
+        dx = dy.new_empty((0,))
     if need_dw:
-        dw = (dy.t() @ _dequantize_rows(x_codes, x_scale, dy.dtype)).to(dw_dtype)
+        dw = torch.mm(dy.t(), _dequantize_rows(x_codes, x_scale, dy.dtype)).to(dw_dtype)
+    else:
+        dw = dy.new_empty((0,))
     return dx, dw
 
 
-@linear_backward.register_fake
-def _(dy, x_codes, x_scale, w_codes, w_scale, int8_backward, need_dx, need_dw, dw_dtype):
+def _linear_backward_fake(dy, x_codes, x_scale, w_codes, w_scale, int8_backward, need_dx,
+                          need_dw, dw_dtype):
     dx = dy.new_empty(x_codes.shape) if need_dx else dy.new_empty((0,))
     dw = dy.new_empty(w_codes.shape, dtype=dw_dtype) if need_dw else dy.new_empty((0,))
     return dx, dw
+
+
+linear_backward = _define(
+    "bitnet_linear_backward(Tensor dy, Tensor x_codes, Tensor x_scale, Tensor w_codes, "
+    "Tensor w_scale, bool int8_backward, bool need_dx, bool need_dw, ScalarType dw_dtype) "
+    "-> (Tensor, Tensor)",
+    _linear_backward, _linear_backward_fake)
 
 
 def absmean_scale(w: torch.Tensor) -> torch.Tensor:
@@ -115,6 +146,16 @@ def pack_ternary(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if _on_gpu(w):
         return _q.ternarize(w, scale, pack=True)
     return _q.pack_ternary_reference(_q.ternarize_reference(w, scale))
+
+
+def pack_ternary_from_sum(w: torch.Tensor, abs_sum: torch.Tensor,
+                          numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack_ternary`` with the scale g = max(abs_sum / numel, EPS) derived in the same
+    kernel from the (all-reduced) sum |W|; returns (packed codes, g)."""
+    if _on_gpu(w):
+        return _q.ternarize_from_sum(w, abs_sum, numel, pack=True)
+    scale = _q.absmean_scale_reference(w, abs_sum, numel)
+    return _q.pack_ternary_reference(_q.ternarize_reference(w, scale)), scale
 
 
 def unpack_ternary(packed: torch.Tensor, cols: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -146,7 +187,7 @@ class BitNetLinearFunction(torch.autograd.Function):
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.int8_backward = int8_backward
         # A fresh (non-view) tensor: FSDP2 warns about module outputs that are views.
-        return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], w_codes.shape[0]))
+        return torch.ops.aten._unsafe_view.default(y, (*x.shape[:-1], w_codes.shape[0]))
 
     @staticmethod
     def backward(ctx, dy):

@@ -84,9 +84,11 @@ class _RoutesLinear(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear:
-            return _linear(*args, **kwargs)
         with torch._C.DisableTorchFunctionSubclass():
+            # Also for F.linear: nothing inside needs this method again (the autograd
+            # Function's apply would otherwise come back here for a second round trip).
+            if func is F.linear:
+                return _linear(*args, **kwargs)
             return func(*args, **kwargs)
 
 
@@ -150,8 +152,9 @@ class BitNetTrainingWeight(_RoutesLinear):
             abs_sum = torch.linalg.vector_norm(self._data, 1, dtype=torch.float32)
             if world > 1:
                 dist.all_reduce(abs_sum, group=_shard_group(mesh))
-            scale = (abs_sum / outer_size.numel()).clamp_min(ops.EPS)
-        packed = ops.pack_ternary(self._data, scale)
+            packed, scale = ops.pack_ternary_from_sum(self._data, abs_sum, outer_size.numel())
+        else:
+            packed = ops.pack_ternary(self._data, scale)
         return (packed,), (scale, self._data.shape[1])
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
