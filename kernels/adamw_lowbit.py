@@ -605,7 +605,7 @@ class FusedAdamW:
             tiles.append(torch.arange(ntiles, dtype=torch.int32) | (slot << TILE_BITS))
         self.aligned = aligned
         self.even = all(self.is_even(cfg, t, self.nb) for t in tensors)
-        self.sr_dense = all(t.sr_row_stride == t.cols for t in tensors)
+        self.sr_dense = all(t.sr_row_stride == t.cols or t.rows == 1 for t in tensors)
         self.meta = meta.to(self.device)
         self.tiles = torch.cat(tiles).to(self.device)
         self.n_programs = self.tiles.numel()

@@ -54,7 +54,7 @@ FORMATS = {  # name: (m codec, v codec, block)
 SHAPES = [(3, 300), (257,), (5, 33), (2, 3, 64), (7,), (4, 512), (1, 129)]
 
 
-def _make(cfg, shape, gen, small_block_quant=True):
+def _make(cfg, shape, gen, small_block_quant=True, sr_dense=False):
     rows = 1 if len(shape) == 1 else int(torch.tensor(shape[:-1]).prod())
     cols = shape[-1]
     p = torch.randn(shape, generator=gen).to(cfg.param_dtype)
@@ -76,7 +76,8 @@ def _make(cfg, shape, gen, small_block_quant=True):
         extra = (torch.randn(shape, generator=gen) * 1e-3).to(torch.bfloat16)
     mv = lambda x: None if x is None else x.to(DEV)  # noqa: E731
     return K.AdamWTensor(mv(p), mv(m), mv(v), mv(ms), mv(vs), mv(extra), rows, cols,
-                         sr_base=int(torch.randint(0, 2**40, (1,), generator=gen)), sr_row_stride=cols + 3,
+                         sr_base=int(torch.randint(0, 2**40, (1,), generator=gen)),
+                         sr_row_stride=cols if sr_dense else cols + 3,
                          sr_key=int(torch.randint(0, 2**32, (1,), generator=gen)))
 
 
@@ -101,11 +102,12 @@ def _compare_codes(name, a, b, codec):
     assert torch.all((va - vb).abs() <= 0.2), f"{name}: codes differ by more than one step"
 
 
-def _run(fmt, pdtype, update, decoupled=True, lr_tensor=False, grad_dtype=None, seed=0, elems=512):
+def _run(fmt, pdtype, update, decoupled=True, lr_tensor=False, grad_dtype=None, seed=0, elems=512,
+         sr_dense=False):
     mc, vc, block = FORMATS[fmt]
     cfg = K.AdamWConfig(mc, vc, fmt == "bf16", block, update, decoupled, pdtype, grad_dtype or pdtype)
     gen = torch.Generator().manual_seed(seed)
-    ts = [_make(cfg, s, gen) for s in SHAPES]
+    ts = [_make(cfg, s, gen, sr_dense=sr_dense) for s in SHAPES]
     grads = [torch.randn(t.param.shape, generator=gen).to(cfg.grad_dtype).to(DEV) for t in ts]
     ref = [_clone(t) for t in ts]
     lr = torch.tensor(3e-3, device=DEV) if lr_tensor else 3e-3
@@ -169,6 +171,14 @@ def test_stochastic_rounding_bits_identical_and_unbiased():
     assert torch.equal(out, again) and not torch.equal(out, other)
     # Kernel vs reference on the same random update (bit for bit under the interpreter).
     _run("bf16", torch.bfloat16, K.UPDATE_STOCHASTIC, seed=4)
+
+
+@pytest.mark.parametrize("fmt", ["8bit", "4bit"])
+def test_stochastic_rounding_of_tensors_stored_with_their_global_rows(fmt):
+    """The kernel's SR_DENSE path (every tensor's global row stride is its local row length,
+    as for unsharded and Shard(0) parameters: the global index is the local offset plus a
+    base) gives what the general row * stride + column path and the reference give."""
+    _run(fmt, torch.bfloat16, K.UPDATE_STOCHASTIC, seed=6, sr_dense=True)
 
 
 def test_hash_matches_host_definition():
