@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STEP_LOSS = re.compile(r"\bstep:\s*(\d+)\s+loss:\s*(-?[0-9.]+|nan|inf)")
+sys.path.insert(0, str(ROOT / "scripts"))
+from runs import step_losses  # noqa: E402
 VAL_LOSS = re.compile(r"validate step:\s*(\d+)\s+loss:\s*(-?[0-9.]+|nan|inf)")
 
 # (label, optimizer name, [lowbit] weight_dtype, [lowbit] weight_update)
@@ -67,8 +68,7 @@ def run_variant(config: Path, name: str, dtype: str, update: str, lr: float, ste
 def parse_run(out: str, steps: int, what: str) -> dict:
     """Training curve, final train loss (mean of the last 10% of steps) and final
     validation loss from one run's torchtitan output."""
-    train = {int(s): float(l) for s, l in STEP_LOSS.findall(
-        "\n".join(l for l in out.splitlines() if "validate" not in l))}
+    train = {s: float(l) for s, l in step_losses(out).items()}
     val = [float(l) for _, l in VAL_LOSS.findall(out)]
     if len(train) != steps or not val:
         raise SystemExit(f"variant {what}: could not read losses:\n{out[-3000:]}")

@@ -31,29 +31,19 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import shlex
 import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runs import ROOT, Budget, gpu_count, launch, parse_log, summarize, versions  # noqa: E402
+from runs import (ROOT, Budget, gpu_count, launch, parse_log, resume_dump,  # noqa: E402
+                  summarize, versions)
 
 
 def mesh_args(nproc: int, tp: int) -> list[str]:
     return ["--parallelism.data_parallel_shard_degree", str(nproc // tp),
             "--parallelism.tensor_parallel_degree", str(tp)]
-
-
-def resume_dump(dump: Path, source: Path, step: int) -> Path:
-    """A fresh dump folder whose only checkpoint is ``source/checkpoint/step-<step>``
-    (a link), so torchtitan resumes from it and writes its own checkpoints beside it."""
-    shutil.rmtree(dump, ignore_errors=True)
-    (dump / "checkpoint").mkdir(parents=True)
-    os.symlink((source / "checkpoint" / f"step-{step}").resolve(),
-               dump / "checkpoint" / f"step-{step}")
-    return dump
 
 
 def report(results: dict, args, argv: list[str], big: str, small: str) -> str:

@@ -6,6 +6,7 @@ Shared by scripts/scale_runs.py and scripts/reshard_runs.py:
   ``nproc`` visible ones) or, with no GPU, on ``nproc`` gloo CPU processes; every rank's
   output is kept (``LOG_RANK``), written to a log file as it comes, and the run is
   stopped after ``timeout`` seconds;
+- :func:`step_losses` reads the loss of every training step, as printed;
 - :func:`parse_log` reads torchtitan 0.2.2's per-step metrics line
   (``step: N  loss: L  grad_norm: G  memory: X GiB(Y%)  tps: T ...``, from
   ``torchtitan/components/metrics.py``), per rank;
@@ -17,6 +18,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -33,10 +35,24 @@ STEP = re.compile(
     r"\bstep:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>\S+)\s+grad_norm:\s*(?P<grad_norm>\S+)\s+"
     r"memory:\s*(?P<gib>[0-9.]+)GiB\((?P<pct>[0-9.]+)%\)\s+tps:\s*(?P<tps>[0-9,]+)"
 )
+# The loss of a training step as torchtitan prints it, in any log format (colors off).
+STEP_LOSS = re.compile(r"\bstep:\s*(\d+)\s+loss:\s*(-?[0-9.]+|nan|inf)")
 ERROR = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b.*:")
 # Children on GPUs: NVLink SHARP (NVLS) and symmetric-memory multicast stay off, as the
 # lent machines require.
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+def step_losses(text: str) -> dict[int, str]:
+    """{step: loss as printed} for the training steps torchtitan logged (not validation).
+    Used by the tests and by scripts/convergence.py, which compare losses exactly."""
+    losses = {}
+    for line in text.splitlines():
+        if "validate" in line:
+            continue
+        if m := STEP_LOSS.search(line):
+            losses[int(m.group(1))] = m.group(2)
+    return losses
 
 
 def parse_log(text: str) -> dict[int, dict[int, dict[str, float]]]:
@@ -183,6 +199,16 @@ def versions() -> str:
             pass
     parts.append(f"Python {platform.python_version()}")
     return ", ".join(parts)
+
+
+def resume_dump(dump: Path, source: Path, step: int) -> Path:
+    """A fresh dump folder whose only checkpoint is ``source/checkpoint/step-<step>``
+    (a link), so torchtitan resumes from it and writes its own checkpoints beside it."""
+    shutil.rmtree(dump, ignore_errors=True)
+    (dump / "checkpoint").mkdir(parents=True)
+    os.symlink((source / "checkpoint" / f"step-{step}").resolve(),
+               dump / "checkpoint" / f"step-{step}")
+    return dump
 
 
 class Budget:

@@ -6,7 +6,6 @@ kernel is defined).
 """
 
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -22,7 +21,9 @@ if not torch.cuda.is_available():
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = ROOT / "train_configs" / "llama3_debug.toml"
-STEP_LOSS = re.compile(r"\bstep:\s*(\d+)\s+loss:\s*(-?[0-9.]+|nan|inf)")
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from runs import resume_dump, step_losses  # noqa: E402,F401  (tests import step_losses from here)
 
 
 def run_train(*overrides: str, config: Path = DEBUG_CONFIG, nproc: int = 2, timeout: int = 600,
@@ -39,17 +40,6 @@ def run_train(*overrides: str, config: Path = DEBUG_CONFIG, nproc: int = 2, time
             f"train.sh failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
         )
     return proc
-
-
-def step_losses(output: str) -> dict[int, str]:
-    """{step: loss as printed} for the training steps torchtitan logged (not validation)."""
-    losses = {}
-    for line in output.splitlines():
-        if "validate" in line:
-            continue
-        if m := STEP_LOSS.search(line):
-            losses[int(m.group(1))] = m.group(2)
-    return losses
 
 
 SAVE_STEP = 4
@@ -71,11 +61,7 @@ def two_process_checkpoint(tmp_path_factory, prepared_data):
 
 def resume_folder(tmp_path, checkpoint_dir):
     """A new dump folder whose only checkpoint is ``checkpoint_dir/step-SAVE_STEP``."""
-    resumed_dump = tmp_path / "resumed"
-    (resumed_dump / "checkpoint").mkdir(parents=True)
-    os.symlink(checkpoint_dir / f"step-{SAVE_STEP}",
-               resumed_dump / "checkpoint" / f"step-{SAVE_STEP}")
-    return resumed_dump
+    return resume_dump(tmp_path / "resumed", checkpoint_dir.parent, SAVE_STEP)
 
 
 @pytest.fixture(scope="session")
