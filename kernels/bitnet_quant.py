@@ -65,10 +65,6 @@ def _check_2d(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"BitNet: {name} must be 2-D, got shape {tuple(t.shape)}")
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 # --------------------------------------------------------------------------------------
 # Activation (and grad_output) quantization: row-wise abs-max to int8
 # --------------------------------------------------------------------------------------
@@ -111,7 +107,7 @@ def _quantize_rows_kernel(
 
 @functools.lru_cache(maxsize=None)
 def _quantize_tiles(K: int, block_k: int | None) -> tuple[int, int, bool, int]:
-    full = _next_pow2(max(K, 16))
+    full = triton.next_power_of_2(max(K, 16))  # once per K (cached)
     if block_k is None:
         block_k = min(full, MAX_SINGLE_PASS_COLS)
     single = block_k >= K

@@ -65,14 +65,22 @@ def _define(schema: str, impl, fake):
     return getattr(torch.ops.titan_lowbit, name).default
 
 
+def _ternarize_from_sum(w: torch.Tensor, abs_sum: torch.Tensor, numel: int,
+                        pack: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ternary codes, packed four per byte if ``pack``, and g = max(abs_sum / numel, EPS))
+    of a 2-D weight: one kernel on CUDA that derives g and ternarizes, the references
+    elsewhere."""
+    if _on_gpu(w):
+        return _q.ternarize_from_sum(w, abs_sum, numel, pack=pack)
+    scale = _q.absmean_scale_reference(w, abs_sum, numel)
+    codes = _q.ternarize_reference(w, scale)
+    return (_q.pack_ternary_reference(codes) if pack else codes), scale
+
+
 def _quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Ternary codes (int8) and abs-mean scale (fp32, 0-d) of an unsharded 2-D weight."""
-    if _on_gpu(w):
-        # One L1-norm reduction, then one kernel that derives the scale and ternarizes.
-        abs_sum = torch.linalg.vector_norm(w, 1, dtype=torch.float32)
-        return _q.ternarize_from_sum(w, abs_sum, w.numel())
-    scale = absmean_scale(w)
-    return _q.ternarize_reference(w, scale), scale
+    abs_sum = torch.linalg.vector_norm(w, 1, dtype=torch.float32)
+    return _ternarize_from_sum(w, abs_sum, w.numel(), pack=False)
 
 
 def _quantize_weight_fake(w):
@@ -152,10 +160,7 @@ def pack_ternary_from_sum(w: torch.Tensor, abs_sum: torch.Tensor,
                           numel: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``pack_ternary`` with the scale g = max(abs_sum / numel, EPS) derived in the same
     kernel from the (all-reduced) sum |W|; returns (packed codes, g)."""
-    if _on_gpu(w):
-        return _q.ternarize_from_sum(w, abs_sum, numel, pack=True)
-    scale = _q.absmean_scale_reference(w, abs_sum, numel)
-    return _q.pack_ternary_reference(_q.ternarize_reference(w, scale)), scale
+    return _ternarize_from_sum(w, abs_sum, numel, pack=True)
 
 
 def unpack_ternary(packed: torch.Tensor, cols: int, out: torch.Tensor | None = None) -> torch.Tensor:
