@@ -70,12 +70,31 @@ def _check_2d(name: str, t: torch.Tensor) -> None:
 # --------------------------------------------------------------------------------------
 
 
+def row_absmax(x: torch.Tensor) -> torch.Tensor:
+    """max_k |x[m, k]| per row, fp32 [M] (exact: no rounding in abs or max); 0 for empty rows."""
+    if x.shape[1] == 0:
+        return torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+    return torch.linalg.vector_norm(x, float("inf"), dim=1, dtype=torch.float32)
+
+
+def _check_row_amax(amax: torch.Tensor | None, x: torch.Tensor) -> None:
+    if amax is not None and (amax.dtype != torch.float32 or tuple(amax.shape) != (x.shape[0],)
+                             or amax.device != x.device or not amax.is_contiguous()):
+        raise ValueError(
+            f"BitNet: row abs-max must be a contiguous fp32 tensor of shape ({x.shape[0]},) on "
+            f"{x.device}, got {amax.dtype} {tuple(amax.shape)} on {amax.device}"
+        )
+
+
 @triton.jit
 def _quantize_rows_kernel(
-    x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_qm,
+    x_ptr, q_ptr, scale_ptr, amax_ptr, M, K, stride_xm, stride_qm,
     EPS_C: tl.constexpr, QMAX_C: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    AMAX_GIVEN: tl.constexpr,
 ):
+    # AMAX_GIVEN: the row abs-max is read from amax_ptr instead of computed from this
+    # x (tensor parallelism: the max over all shards of a row, all-reduced by the caller).
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols = tl.arange(0, BLOCK_K)
@@ -84,17 +103,23 @@ def _quantize_rows_kernel(
     if SINGLE_PASS:
         mask = row_ok[:, None] & (cols[None, :] < K)
         x = tl.load(x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=1)
+        if AMAX_GIVEN:
+            amax = tl.load(amax_ptr + rows, mask=row_ok, other=0.0)
+        else:
+            amax = tl.max(tl.abs(x), axis=1)
         scale = tl.math.div_rn(tl.maximum(amax, EPS_C), tl.full(amax.shape, QMAX_C, tl.float32))
         recip = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
         q = tl.minimum(tl.maximum(tl.floor(x * recip[:, None] + 0.5), -QMAX_C), QMAX_C)
         tl.store(q_row + cols[None, :], q.to(tl.int8), mask=mask)
     else:
-        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            mask = row_ok[:, None] & ((k0 + cols)[None, :] < K)
-            x = tl.load(x_row + (k0 + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        if AMAX_GIVEN:
+            amax = tl.load(amax_ptr + rows, mask=row_ok, other=0.0)
+        else:
+            amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                mask = row_ok[:, None] & ((k0 + cols)[None, :] < K)
+                x = tl.load(x_row + (k0 + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
         scale = tl.math.div_rn(tl.maximum(amax, EPS_C), tl.full(amax.shape, QMAX_C, tl.float32))
         recip = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
         for k0 in range(0, K, BLOCK_K):
@@ -120,15 +145,19 @@ def _quantize_tiles(K: int, block_k: int | None) -> tuple[int, int, bool, int]:
 _QUANTIZE_ROWS = FastKernel(_quantize_rows_kernel)
 
 
-def quantize_rows(x: torch.Tensor, block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, block_k: int | None = None,
+                  amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise abs-max int8 quantization of a 2-D tensor in one fused kernel.
 
     Returns (q int8 [M, K], scale fp32 [M]) with x ~= q * scale[:, None]. One read of x
     and one write of q: the scale never leaves registers before the quantization.
+    ``amax`` (fp32 [M]) gives each row's abs-max instead (a row sharded over tensor-
+    parallel ranks is quantized with the max over all its shards, as if unsharded).
     ``block_k`` forces the column tile (tests use it to exercise the two-pass path).
     """
     _check_2d("quantize_rows input", x)
     check_float_input("quantize_rows input", x)
+    _check_row_amax(amax, x)
     if x.stride(1) != 1:
         x = x.contiguous()
     M, K = x.shape
@@ -138,19 +167,22 @@ def quantize_rows(x: torch.Tensor, block_k: int | None = None) -> tuple[torch.Te
         return q, scale
     block_m, block_k, single, num_warps = _quantize_tiles(K, block_k)
     _QUANTIZE_ROWS(
-        (_cdiv(M, block_m),), (x, q, scale, M, K, x.stride(0), K),
+        (_cdiv(M, block_m),), (x, q, scale, scale if amax is None else amax, M, K, x.stride(0), K),
         EPS_C=EPS, QMAX_C=float(QMAX), BLOCK_M=block_m, BLOCK_K=block_k,
-        SINGLE_PASS=single, num_warps=num_warps,
+        SINGLE_PASS=single, AMAX_GIVEN=amax is not None, num_warps=num_warps,
     )
     return q, scale
 
 
-def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_reference(x: torch.Tensor,
+                            amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-PyTorch reference of ``quantize_rows`` (same math, any device)."""
     _check_2d("quantize_rows input", x)
     check_float_input("quantize_rows input", x)
+    _check_row_amax(amax, x)
     xf = x.float()
-    amax = xf.abs().amax(dim=1) if x.shape[1] else torch.zeros(x.shape[0], device=x.device)
+    if amax is None:
+        amax = row_absmax(x)
     # Tensor / tensor: an IEEE division on every device (torch turns "/ scalar" into a
     # multiplication by the scalar's reciprocal on CUDA).
     scale = amax.clamp_min(EPS) / torch.full_like(amax, QMAX)

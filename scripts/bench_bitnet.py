@@ -211,7 +211,7 @@ def host_overhead(k, n, dev, tokens=16, iters=200) -> dict:
         "int8_mm_tma": lambda: mm.int8_matmul_scaled(xq, codes, xs, g, torch.bfloat16, impl="tma"),
         "int8_mm_pointer": lambda: mm.int8_matmul_scaled(xq, codes, xs, g, torch.bfloat16, impl="pointer"),
         "dequantize_rows": lambda: bq.dequantize_rows(xq, xs, torch.bfloat16),
-        "op_linear_forward": lambda: ops.linear_forward(xd, codes, g),
+        "op_linear_forward": lambda: ops.linear_forward(xd, codes, g, None),
         "op_quantize_weight": lambda: ops.quantize_weight(w.detach()),
         "torch_mm": lambda: dy.t() @ xd.new_empty(tokens, k),
     }
@@ -380,8 +380,8 @@ def host_breakdown(k, n, dev, tokens=16, iters=300, launch_counter=None) -> dict
         "forward_bitnet_nograd": forward(gathered),
         # custom ops
         "op_quantize_weight": lambda: ops.quantize_weight(w32),
-        "op_linear_forward": lambda: ops.linear_forward(xd, codes, g),
-        "op_linear_backward": lambda: ops.linear_backward(dy, xq, xs, codes, g, True, True, True,
+        "op_linear_forward": lambda: ops.linear_forward(xd, codes, g, None),
+        "op_linear_backward": lambda: ops.linear_backward(dy, xq, xs, codes, g, None, True, True, True,
                                                           torch.float32),
         # kernels (Python wrappers + launch)
         "quantize_rows": lambda: bq.quantize_rows(xd),

@@ -102,8 +102,9 @@ def _scenarios(rank):
             conv.post_optimizer_hook([sharded])
             counts.append(fwd_bwd + (all_reduce.calls,))
             scales.append(max(
-                (p._local_tensor._precomputed_scale - p.full_tensor().abs().mean()).abs().item()
-                if p._local_tensor._precomputed_scale is not None else float("inf")
+                (p._local_tensor._precomputed_abs_sum / p.numel()
+                 - p.full_tensor().abs().mean()).abs().item()
+                if p._local_tensor._precomputed_abs_sum is not None else float("inf")
                 for p in sharded.parameters()))
         res[tag] = dict(counts=counts, losses=losses, grad_err=grads_ok, scale_err=scales,
                         local_types={type(p._local_tensor).__name__ for p in sharded.parameters()})

@@ -81,6 +81,27 @@ def test_quantize_rows_matches_reference(shape, dtype, two_pass):
     assert q.abs().max() <= 127
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", ROW_SHAPES)
+@pytest.mark.parametrize("two_pass", [False, True])
+def test_quantize_rows_with_given_row_absmax(shape, dtype, two_pass):
+    """Tensor parallelism: a row shard quantized with the whole row's abs-max (all-reduced
+    over the shards) gets the codes and scales of that row's slice of the unsharded result."""
+    m, k = shape
+    full = _rand_rows(m, 2 * k, dtype)
+    shard = full[:, k:].contiguous()  # a row's max is often in the other half
+    amax = bq.row_absmax(full)
+    q, s = _twice(bq.quantize_rows, shard, block_k=64 if two_pass else None, amax=amax)
+    q_ref, s_ref = bq.quantize_rows_reference(shard, amax)
+    q_full, s_full = bq.quantize_rows_reference(full)
+    torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
+    torch.testing.assert_close(s_ref, s_full, rtol=0, atol=0)
+    _assert_codes_match(q, q_ref)
+    assert torch.equal(q_ref, q_full[:, k:])
+    with pytest.raises(ValueError, match="row abs-max"):
+        bq.quantize_rows(shard, amax=amax[:-1] if m > 1 else amax.double())
+
+
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_dequantize_rows_matches_reference(dtype):
     m, k = (29, 83) if DEVICE == "cpu" else (3000, 5000)

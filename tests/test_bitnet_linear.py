@@ -149,8 +149,6 @@ def test_converter_errors_are_clear():
         convert_to_bitnet(nn.Sequential(nn.Linear(8, 32)), [])
     with pytest.raises(TypeError, match="float64"):
         convert_to_bitnet(nn.Sequential(nn.Linear(32, 32, dtype=torch.float64)), [])
-    with pytest.raises(NotImplementedError, match="tensor parallel"):
-        CONVERTERS["bitnet"](_job(), SimpleNamespace(tp_enabled=True))
     lin = nn.Linear(32, 32)
     convert_to_bitnet(nn.Sequential(lin), [])
     with pytest.raises(TypeError, match="float64"):

@@ -35,12 +35,18 @@ def test_tensor_parallel_split_block_is_a_start_up_error(tmp_path, prepared_data
     assert "layers.0.attention.wo.weight" in out and "block_size=128" in out, out[-3000:]
 
 
-def test_fsdp_x_tensor_parallel_on_four_processes(tmp_path, prepared_data):
+# BitNet's ternary weights learn slower in the first steps: a smaller required drop.
+@pytest.mark.parametrize("converters, drop", [((), 0.4), (("--model.converters", "bitnet"), 0.25)],
+                         ids=["plain", "bitnet"])
+def test_fsdp_x_tensor_parallel_on_four_processes(converters, drop, tmp_path, prepared_data):
+    # With BitNet: torchtitan's TP plan over BitNetLinear layers, the packed FSDP
+    # all-gather of TP shards and the scale precompute over both mesh dimensions
+    # (tests/test_bitnet_tp.py checks the math against the unsharded model).
     proc = train(tmp_path, "--parallelism.tensor_parallel_degree", "2",
                  "--parallelism.data_parallel_shard_degree", "2",
                  "--optimizer.name", "AdamW4bit", "--lowbit.block_size", "128",
                  "--lowbit.weight_dtype", "bfloat16", "--lowbit.weight_update", "stochastic",
-                 nproc=4)
+                 *converters, nproc=4)
     losses = {s: float(l) for s, l in step_losses(proc.stdout).items()}
     assert sorted(losses) == list(range(1, STEPS + 1))
-    assert losses[STEPS] < losses[1] - 0.4, losses
+    assert losses[STEPS] < losses[1] - drop, losses

@@ -7,7 +7,8 @@ wrapped:
 
 - ``parallelize_fn`` first applies ``[lowbit] weight_dtype`` to the (meta) model, so
   FSDP2 shards and initializes parameters in that dtype, then parallelizes as before,
-  and remembers which JobConfig the model was built with;
+  gives tensor-parallel BitNet layers their TP group (``enable_tensor_parallel``), and
+  remembers which JobConfig the model was built with;
 - ``build_optimizers_fn`` (see :mod:`titan_lowbit.optimizer_builder`) reads that
   JobConfig, because torchtitan passes it only the ``[optimizer]`` section.
 """
@@ -23,6 +24,7 @@ import torch.nn as nn
 import torchtitan.protocols.train_spec as train_spec_module
 
 from titan_lowbit import cpu_device
+from titan_lowbit.bitnet import enable_tensor_parallel
 from titan_lowbit.config import lowbit_of
 from titan_lowbit.optimizer_builder import wrap_build_optimizers
 
@@ -72,6 +74,8 @@ def wrap_parallelize(parallelize_fn):
     def parallelize(model, parallel_dims, job_config, *args, **kwargs):
         apply_weight_dtype(model, job_config)
         model = parallelize_fn(model, parallel_dims, job_config, *args, **kwargs)
+        if parallel_dims.tp_enabled:
+            enable_tensor_parallel(model, parallel_dims.get_mesh("tp"))
         if cpu_device.is_enabled():
             cpu_device.use_gloo_reductions(model)
         _JOB_CONFIGS[model] = job_config

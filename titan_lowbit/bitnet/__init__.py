@@ -1,4 +1,4 @@
-"""BitNet b1.58 training: weight subclass, converter, FSDP2 hooks.
+"""BitNet b1.58 training: weight subclass, converter, FSDP2 hooks, tensor parallelism.
 
 ``CONVERTERS`` maps the registered converter names ("bitnet", "bitnet_subln") to their
 classes; titan_lowbit/__init__.py registers them with torchtitan.
@@ -11,15 +11,19 @@ from titan_lowbit.bitnet.converter import (
     convert_to_bitnet,
     insert_subln,
 )
+from titan_lowbit.bitnet.linear import BitNetLinear
+from titan_lowbit.bitnet.tensor_parallel import enable_tensor_parallel
 from titan_lowbit.bitnet.weight import BitNetTernaryWeight, BitNetTrainingWeight, precompute_scales
 
 __all__ = [
     "CONVERTERS",
     "BitNetConverter",
+    "BitNetLinear",
     "BitNetSubLNConverter",
     "BitNetTernaryWeight",
     "BitNetTrainingWeight",
     "convert_to_bitnet",
+    "enable_tensor_parallel",
     "insert_subln",
     "precompute_scales",
 ]

@@ -1,10 +1,12 @@
 """torchtitan model converters for BitNet b1.58.
 
 ``bitnet``        swaps the weight of every ``nn.Linear`` (except those whose FQN contains
-                  a ``[lowbit] bitnet_filter`` fragment) for a ``BitNetTrainingWeight``; the
-                  modules, FQNs and state-dict keys stay as they are. Its
-                  ``post_optimizer_hook`` precomputes every weight's scale with one
-                  all-reduce (``[lowbit] bitnet_precompute_scale``).
+                  a ``[lowbit] bitnet_filter`` fragment) for a ``BitNetTrainingWeight`` and
+                  its class for ``BitNetLinear`` (its forward also runs under tensor
+                  parallelism); the modules, FQNs and state-dict keys stay as they are.
+                  Its ``post_optimizer_hook`` precomputes every weight's scale with one
+                  all-reduce per sharded mesh dimension (``[lowbit]
+                  bitnet_precompute_scale``).
 ``bitnet_subln``  model surgery for torchtitan's llama3 ``TransformerBlock``: an RMSNorm on
                   the input of every linear of the block (SubLN, as BitNet's BitLinear
                   normalizes its own input) and the block's ``attention_norm``/``ffn_norm``
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from titan_lowbit.bitnet.linear import BitNetLinear
 from titan_lowbit.bitnet.weight import (
     BitNetTrainingWeight,
     plain_weight_state_dict_hook,
@@ -82,6 +85,10 @@ def convert_to_bitnet(model: nn.Module, filter_fqns=DEFAULT_FILTER,
         mod.weight = nn.Parameter(BitNetTrainingWeight(w.detach(), int8_backward),
                                   requires_grad=w.requires_grad)
         mod.register_state_dict_post_hook(plain_weight_state_dict_hook)
+        if type(mod) is nn.Linear:
+            # Same module, a forward that also handles tensor-parallel shards; a subclass
+            # of nn.Linear keeps its own class (and is refused under TP).
+            mod.__class__ = BitNetLinear
         converted.append(name)
     if not converted:
         raise ValueError(
@@ -101,18 +108,14 @@ class BitNetConverter:
         self.filter_fqns = list(_lowbit_option(job_config, "bitnet_filter", list(DEFAULT_FILTER)))
         self.precompute_scale = bool(_lowbit_option(job_config, "bitnet_precompute_scale", True))
         self.int8_backward = bool(_lowbit_option(job_config, "bitnet_int8_backward", True))
-        if parallel_dims is not None and getattr(parallel_dims, "tp_enabled", False):
-            raise NotImplementedError(
-                "converter 'bitnet' does not support tensor parallelism (the tensor-wise "
-                "scale would span TP shards); set parallelism.tensor_parallel_degree = 1."
-            )
         self.converted: list[str] = []
 
     def convert(self, model: nn.Module) -> None:
         self.converted = convert_to_bitnet(model, self.filter_fqns, self.int8_backward)
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
-        """After each optimizer step: every sharded weight's scale, one all-reduce in all."""
+        """After each optimizer step: every sharded weight's scale, one all-reduce per
+        sharded mesh dimension in all."""
         if not self.precompute_scale:
             return
         parts = model if isinstance(model, (list, tuple)) else [model]

@@ -22,6 +22,7 @@ instead of 2 for bf16 activations).
 from __future__ import annotations
 
 import torch
+import torch.distributed._functional_collectives as funcol
 
 from titan_lowbit.kernels import bitnet_matmul as _mm
 from titan_lowbit.kernels import bitnet_quant as _q
@@ -34,8 +35,10 @@ def _on_gpu(t: torch.Tensor) -> bool:
 
 
 # Device dispatch: Triton kernels on CUDA, references of the same math elsewhere.
-def _quantize_rows(x):
-    return (_q.quantize_rows if _on_gpu(x) else _q.quantize_rows_reference)(x)
+def _quantize_rows(x, amax=None):
+    if _on_gpu(x):
+        return _q.quantize_rows(x, amax=amax)
+    return _q.quantize_rows_reference(x, amax)
 
 
 def _dequantize_rows(q, scale, dtype):
@@ -91,32 +94,51 @@ quantize_weight = _define("bitnet_quantize_weight(Tensor w) -> (Tensor, Tensor)"
                           _quantize_weight, _quantize_weight_fake)
 
 
-def _linear_forward(x: torch.Tensor, w_codes: torch.Tensor,
-                    w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """y = (x codes @ W codes^T) * s_x * g for 2-D x; also returns x's codes and row scales."""
-    x_codes, x_scale = _quantize_rows(x)
+def _quantize_weight_shard(w: torch.Tensor, abs_sum: torch.Tensor,
+                           numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ternary codes and scale of one shard of a weight, from the whole weight's sum |W|
+    (all-reduced over the shards) and element count (tensor parallelism)."""
+    return _ternarize_from_sum(w, abs_sum, numel, pack=False)
+
+
+def _quantize_weight_shard_fake(w, abs_sum, numel):
+    return _quantize_weight_fake(w)
+
+
+quantize_weight_shard = _define(
+    "bitnet_quantize_weight_shard(Tensor w, Tensor abs_sum, int numel) -> (Tensor, Tensor)",
+    _quantize_weight_shard, _quantize_weight_shard_fake)
+
+
+def _linear_forward(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
+                    x_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """y = (x codes @ W codes^T) * s_x * g for 2-D x; also returns x's codes and row scales.
+    ``x_amax``: the rows' abs-max when x is a shard of its rows (else computed from x)."""
+    x_codes, x_scale = _quantize_rows(x, x_amax)
     return _int8_mm(x_codes, w_codes, x_scale, w_scale, x.dtype), x_codes, x_scale
 
 
-def _linear_forward_fake(x, w_codes, w_scale):
+def _linear_forward_fake(x, w_codes, w_scale, x_amax):
     return (x.new_empty((x.shape[0], w_codes.shape[0])), x.new_empty(x.shape, dtype=torch.int8),
             x.new_empty((x.shape[0],), dtype=torch.float32))
 
 
 linear_forward = _define(
-    "bitnet_linear_forward(Tensor x, Tensor w_codes, Tensor w_scale) -> (Tensor, Tensor, Tensor)",
+    "bitnet_linear_forward(Tensor x, Tensor w_codes, Tensor w_scale, Tensor? x_amax) "
+    "-> (Tensor, Tensor, Tensor)",
     _linear_forward, _linear_forward_fake)
 
 
 def _linear_backward(dy: torch.Tensor, x_codes: torch.Tensor, x_scale: torch.Tensor,
-                     w_codes: torch.Tensor, w_scale: torch.Tensor, int8_backward: bool,
-                     need_dx: bool, need_dw: bool,
+                     w_codes: torch.Tensor, w_scale: torch.Tensor, dy_amax: torch.Tensor | None,
+                     int8_backward: bool, need_dx: bool, need_dw: bool,
                      dw_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dW) of the straight-through BitNet linear for 2-D dy; an empty tensor stands
-    for a gradient that is not needed."""
+    for a gradient that is not needed. ``dy_amax``: the rows' abs-max when dy is a shard
+    of its rows (else computed from dy)."""
     if need_dx:
         if int8_backward:
-            dy_codes, dy_scale = _quantize_rows(dy)
+            dy_codes, dy_scale = _quantize_rows(dy, dy_amax)
             # K-major copy of the ternary weight for the int8 tensor cores ([K, N]).
             dx = _int8_mm(dy_codes, w_codes.t().contiguous(), dy_scale, w_scale, dy.dtype)
         else:
@@ -130,8 +152,8 @@ def _linear_backward(dy: torch.Tensor, x_codes: torch.Tensor, x_scale: torch.Ten
     return dx, dw
 
 
-def _linear_backward_fake(dy, x_codes, x_scale, w_codes, w_scale, int8_backward, need_dx,
-                          need_dw, dw_dtype):
+def _linear_backward_fake(dy, x_codes, x_scale, w_codes, w_scale, dy_amax, int8_backward,
+                          need_dx, need_dw, dw_dtype):
     dx = dy.new_empty(x_codes.shape) if need_dx else dy.new_empty((0,))
     dw = dy.new_empty(w_codes.shape, dtype=dw_dtype) if need_dw else dy.new_empty((0,))
     return dx, dw
@@ -139,7 +161,8 @@ def _linear_backward_fake(dy, x_codes, x_scale, w_codes, w_scale, int8_backward,
 
 linear_backward = _define(
     "bitnet_linear_backward(Tensor dy, Tensor x_codes, Tensor x_scale, Tensor w_codes, "
-    "Tensor w_scale, bool int8_backward, bool need_dx, bool need_dw, ScalarType dw_dtype) "
+    "Tensor w_scale, Tensor? dy_amax, bool int8_backward, bool need_dx, bool need_dw, "
+    "ScalarType dw_dtype) "
     "-> (Tensor, Tensor)",
     _linear_backward, _linear_backward_fake)
 
@@ -149,22 +172,16 @@ def absmean_scale(w: torch.Tensor) -> torch.Tensor:
     return _q.absmean_scale_reference(w)
 
 
-def pack_ternary(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Ternary codes of ``w`` packed four per byte: uint8 [R, ceil(C / 4)] (FSDP payload)."""
-    if _on_gpu(w):
-        return _q.ternarize(w, scale, pack=True)
-    return _q.pack_ternary_reference(_q.ternarize_reference(w, scale))
-
-
 def pack_ternary_from_sum(w: torch.Tensor, abs_sum: torch.Tensor,
                           numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``pack_ternary`` with the scale g = max(abs_sum / numel, EPS) derived in the same
-    kernel from the (all-reduced) sum |W|; returns (packed codes, g)."""
+    """Ternary codes of a weight shard packed four per byte (uint8 [R, ceil(C / 4)], the
+    FSDP payload) with the scale g = max(abs_sum / numel, EPS) derived in the same kernel
+    from the whole weight's (all-reduced) sum |W|; returns (packed codes, g)."""
     return _ternarize_from_sum(w, abs_sum, numel, pack=True)
 
 
 def unpack_ternary(packed: torch.Tensor, cols: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Inverse of ``pack_ternary``: int8 [R, cols], written into ``out`` when given."""
+    """Inverse of ``pack_ternary_from_sum``: int8 [R, cols], written into ``out`` when given."""
     if _on_gpu(packed):
         return _q.unpack_ternary(packed, cols, out=out)
     codes = _q.unpack_ternary_reference(packed, cols)
@@ -174,16 +191,29 @@ def unpack_ternary(packed: torch.Tensor, cols: int, out: torch.Tensor | None = N
     return out
 
 
+def all_reduce_row_absmax(x: torch.Tensor, group) -> torch.Tensor:
+    """Each row's abs-max over the ranks of ``group`` that hold a shard of its columns
+    (fp32 [M]; a functional all-reduce, so torch.compile can trace it)."""
+    return funcol.wait_tensor(funcol.all_reduce(_q.row_absmax(x.detach()), "max", group))
+
+
 class BitNetLinearFunction(torch.autograd.Function):
     """y = x^ W^T + b with straight-through gradients (see the module docstring).
 
     ``weight`` is passed only so autograd routes dW to it (its dtype is dW's dtype);
     the forward reads the weight through ``w_codes`` and ``w_scale``.
+
+    Tensor parallelism passes shards: ``x_amax`` is the abs-max of x's rows over all
+    shards of the row (row-wise parallel: x holds a slice of the input features), and
+    ``dy_rows_group`` is the group whose ranks each hold a slice of dy's columns
+    (column-wise parallel), over which backward all-reduces dy's row abs-max. Each rank
+    then quantizes exactly as the unsharded layer does.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, w_codes, w_scale, bias, int8_backward: bool):
-        y, x_codes, x_scale = linear_forward(x.reshape(-1, x.shape[-1]), w_codes, w_scale)
+    def forward(ctx, x, weight, w_codes, w_scale, bias, int8_backward: bool,
+                x_amax=None, dy_rows_group=None):
+        y, x_codes, x_scale = linear_forward(x.reshape(-1, x.shape[-1]), w_codes, w_scale, x_amax)
         if bias is not None:
             y = y + bias.to(y.dtype)
         ctx.save_for_backward(x_codes, x_scale, w_codes, w_scale)
@@ -191,6 +221,7 @@ class BitNetLinearFunction(torch.autograd.Function):
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.int8_backward = int8_backward
+        ctx.dy_rows_group = dy_rows_group
         # A fresh (non-view) tensor: FSDP2 warns about module outputs that are views.
         return torch.ops.aten._unsafe_view.default(y, (*x.shape[:-1], w_codes.shape[0]))
 
@@ -199,13 +230,16 @@ class BitNetLinearFunction(torch.autograd.Function):
         x_codes, x_scale, w_codes, w_scale = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx, dw = linear_backward(dy2, x_codes, x_scale, w_codes, w_scale, ctx.int8_backward,
-                                 need_dx, need_dw, ctx.weight_dtype)
+        dy_amax = None
+        if ctx.dy_rows_group is not None and need_dx and ctx.int8_backward:
+            dy_amax = all_reduce_row_absmax(dy2, ctx.dy_rows_group)
+        dx, dw = linear_backward(dy2, x_codes, x_scale, w_codes, w_scale, dy_amax,
+                                 ctx.int8_backward, need_dx, need_dw, ctx.weight_dtype)
         db = None
         if ctx.bias_dtype is not None and ctx.needs_input_grad[4]:
             db = dy2.sum(dim=0, dtype=torch.float32).to(ctx.bias_dtype)
         return (dx.view(ctx.x_shape) if need_dx else None, dw if need_dw else None,
-                None, None, db, None)
+                None, None, db, None, None, None)
 
 
 def bitnet_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -18,19 +18,22 @@ routed to ``BitNetLinearFunction``):
 All-gather (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``): each rank ternarizes its
 shard with the global scale and sends the codes packed four per byte (0.25 byte per
 element, 1/8 of bf16); after the gather the codes are unpacked into int8. The global
-scale is either precomputed after the optimizer step for all layers with one all-reduce
-(``precompute_scales``, called by the converter's post_optimizer_hook) or, when absent,
-all-reduced per layer inside ``fsdp_pre_all_gather``. The scale travels in the
-all-gather metadata (every rank holds the same value), not in the payload.
+sum |W| behind the scale is either precomputed after the optimizer step for all layers
+with one all-reduce per sharded mesh dimension (``precompute_scales``, called by the
+converter's post_optimizer_hook) or, when absent, all-reduced per layer inside
+``fsdp_pre_all_gather`` (over the FSDP shards, then over the module's
+``bitnet_tp_group`` under tensor parallelism, see ``tensor_parallel.py``). The scale
+travels in the all-gather metadata (every rank holds the same value), not in the payload.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map_only
@@ -60,9 +63,8 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     does for F.linear: torchtitan without FSDP trains fp32 weights under bf16 autocast,
     and the int8 kernels then write bf16 outputs and the weight gradient is a bf16 GEMM.
     """
-    if torch.is_autocast_enabled(x.device.type):
-        x = x.to(torch.get_autocast_dtype(x.device.type))
-    _check_dtypes(x, weight)
+    x = autocast_input(x)
+    check_dtypes(x, weight)
     if isinstance(weight, BitNetTernaryWeight):
         codes, scale, int8_bwd = weight._codes, weight._scale, weight._int8_backward
     else:
@@ -72,7 +74,14 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     return ops.BitNetLinearFunction.apply(x, weight, codes, scale, bias, int8_bwd)
 
 
-def _check_dtypes(x: torch.Tensor, weight: torch.Tensor) -> None:
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """x in torch.autocast's dtype when autocast is on (as autocast casts F.linear's input)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return x.to(torch.get_autocast_dtype(x.device.type))
+    return x
+
+
+def check_dtypes(x: torch.Tensor, weight: torch.Tensor) -> None:
     check_float_input("BitNet linear input", x)
     check_float_input("BitNet weight", weight)
 
@@ -97,7 +106,9 @@ class BitNetTrainingWeight(_RoutesLinear):
 
     _data: torch.Tensor
     _int8_backward: bool
-    _precomputed_scale: torch.Tensor | None
+    # sum |W| over the whole weight (all its shards), set after each optimizer step by
+    # precompute_scales; the scale g = max(sum / numel, EPS) is derived in the kernels.
+    _precomputed_abs_sum: torch.Tensor | None
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, int8_backward: bool = True):
@@ -110,7 +121,7 @@ class BitNetTrainingWeight(_RoutesLinear):
     def __init__(self, data: torch.Tensor, int8_backward: bool = True):
         self._data = data
         self._int8_backward = int8_backward
-        self._precomputed_scale = None
+        self._precomputed_abs_sum = None
 
     def __repr__(self) -> str:
         return f"BitNetTrainingWeight({self._data!r}, int8_backward={self._int8_backward})"
@@ -147,14 +158,18 @@ class BitNetTrainingWeight(_RoutesLinear):
                 f"multiple of the FSDP shard count {world}; FSDP2 cannot pad a packed all-gather. "
                 "Exclude the layer with [lowbit] bitnet_filter or pick a shard count dividing it."
             )
-        scale = self._precomputed_scale
-        if scale is None:
+        # The whole weight's size: under tensor parallelism outer_size is the TP shard's.
+        numel = module.in_features * module.out_features if isinstance(module, nn.Linear) \
+            else outer_size.numel()
+        abs_sum = self._precomputed_abs_sum
+        if abs_sum is None:
             abs_sum = torch.linalg.vector_norm(self._data, 1, dtype=torch.float32)
             if world > 1:
                 dist.all_reduce(abs_sum, group=_shard_group(mesh))
-            packed, scale = ops.pack_ternary_from_sum(self._data, abs_sum, outer_size.numel())
-        else:
-            packed = ops.pack_ternary(self._data, scale)
+            tp_group = getattr(module, "bitnet_tp_group", None)
+            if tp_group is not None and dist.get_world_size(tp_group) > 1:
+                dist.all_reduce(abs_sum, group=tp_group)
+        packed, scale = ops.pack_ternary_from_sum(self._data, abs_sum, numel)
         return (packed,), (scale, self._data.shape[1])
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
@@ -162,6 +177,8 @@ class BitNetTrainingWeight(_RoutesLinear):
         (packed,) = all_gather_outputs
         scale, cols = metadata
         if out is not None:
+            if isinstance(out, DTensor):  # FSDP x TP: the unsharded param is a TP DTensor
+                out = out._local_tensor
             if not isinstance(out, BitNetTernaryWeight):
                 raise TypeError(f"BitNet: FSDP2 passed out={type(out).__name__}, expected BitNetTernaryWeight")
             # FSDP2 refills the same buffers every step; autograd may hold them from the
@@ -225,7 +242,7 @@ def _shard_group(mesh):
     if mesh.ndim != 1:
         raise NotImplementedError(
             f"BitNet: FSDP2 shard mesh with {mesh.ndim} dims; the packed all-gather supports "
-            "a 1-D shard mesh (FSDP or HSDP, no TP on BitNet layers)."
+            "a 1-D shard mesh (FSDP or HSDP, optionally with tensor parallelism)."
         )
     return mesh.get_group()
 
@@ -254,36 +271,39 @@ def local_training_weight(p: torch.Tensor) -> BitNetTrainingWeight | None:
 
 
 def precompute_scales(params: Iterable[torch.Tensor]) -> int:
-    """Set every sharded BitNet weight's global abs-mean scale for the next all-gather.
+    """Set every sharded BitNet weight's global sum |W| for the next all-gather (FSDP) or
+    forward (tensor parallelism), from which the kernels derive the abs-mean scale.
 
-    One all-reduce of the stacked local |W| sums per shard group (one in total for a
-    model sharded on one mesh) replaces one all-reduce per layer inside the all-gathers.
-    Returns the number of all-reduces issued. Unsharded weights need no precompute (their
-    forward sees the whole tensor) and are skipped.
+    One all-reduce of the stacked local |W| sums per sharded mesh dimension replaces one
+    all-reduce per layer: one in total for a model sharded by FSDP, one over the FSDP and
+    one over the TP ranks for FSDP x TP. Returns the number of all-reduces issued.
+    Unsharded weights need no precompute (their forward sees the whole tensor) and are
+    skipped.
     """
-    by_group: dict[Any, list[tuple[BitNetTrainingWeight, int]]] = defaultdict(list)
+    by_groups: dict[tuple, list[BitNetTrainingWeight]] = defaultdict(list)
+    groups_of: dict[tuple, tuple] = {}
     for p in params:
         local = local_training_weight(p)
         if local is None or not isinstance(p, DTensor):
             continue
-        shard_dims = [i for i, pl in enumerate(p.placements) if pl.is_shard()]
-        if len(shard_dims) != 1:
-            raise NotImplementedError(
-                f"BitNet: a weight with placements {p.placements}; scale precompute supports "
-                "one sharded mesh dim (FSDP)."
-            )
-        group = p.device_mesh.get_group(shard_dims[0])
-        by_group[group].append((local, p.numel()))
+        # Sharded dims: Shard, and FSDP's _StridedShard over TP's Shard on the same dim
+        # (which does not report is_shard()).
+        groups = tuple(p.device_mesh.get_group(i) for i, pl in enumerate(p.placements)
+                       if not (pl.is_replicate() or pl.is_partial()) and p.device_mesh.size(i) > 1)
+        if groups:
+            # Keyed by name: get_group returns a new Python handle on every call.
+            key = tuple(g.group_name for g in groups)
+            groups_of[key] = groups
+            by_groups[key].append(local)
     issued = 0
-    for group, items in by_group.items():
+    for key, weights in by_groups.items():
+        groups = groups_of[key]
         with torch.no_grad():
             # One multi-tensor launch for all local L1 norms (no |W| temporaries).
-            sums = torch.stack(torch._foreach_norm([w._data for w, _ in items], 1, dtype=torch.float32))
-            if dist.get_world_size(group) > 1:
+            sums = torch.stack(torch._foreach_norm([w._data for w in weights], 1, dtype=torch.float32))
+            for group in groups:  # mesh-dim order: the per-layer path reduces in the same order
                 dist.all_reduce(sums, group=group)
                 issued += 1
-            numels = torch.tensor([n for _, n in items], dtype=torch.float32, device=sums.device)
-            scales = (sums / numels).clamp_min(ops.EPS)
-        for (w, _), s in zip(items, scales.unbind(0)):
-            w._precomputed_scale = s
+        for w, s in zip(weights, sums.unbind(0)):
+            w._precomputed_abs_sum = s
     return issued

@@ -1,0 +1,201 @@
+"""BitNet under tensor parallelism and FSDP2 x TP on four gloo processes (CPU, reference
+kernels): the sharded layers must compute what the unsharded BitNet model computes.
+
+One spawn runs every scenario on a 2 x 2 mesh (dp, tp) and hands rank 0's measurements
+to the tests below. The model is a llama-style feed-forward, w2(silu(w1 x) * w3 x), with
+w1 and w3 column-wise and w2 row-wise parallel, as torchtitan's plan shards them. The
+input has 38 features (packed all-gather rows are padded) and rows whose abs-max lies on
+different TP shards, so a rank quantizing with its local row maxima would be caught.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from conftest import run_on_gloo
+
+WORLD = 4
+DIM, HIDDEN = 38, 64
+STEPS = 3
+# Sharded and unsharded results differ only in the order partial products are summed.
+TOL = 2e-5
+
+
+class _FeedForward(nn.Module):
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.w1 = nn.Linear(DIM, HIDDEN, bias=True)
+        self.w3 = nn.Linear(DIM, HIDDEN, bias=False)
+        self.w2 = nn.Linear(HIDDEN, DIM, bias=True)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def _scenarios(rank):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from titan_lowbit.bitnet import CONVERTERS, convert_to_bitnet, enable_tensor_parallel
+    from titan_lowbit.config import LowBit
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    plan = {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
+    res = {}
+
+    torch.manual_seed(7)
+    # Per step: one batch per dp rank (6 rows x 38), same on both TP ranks of a dp group.
+    batches = [[torch.randn(6, DIM) * torch.rand(6, 1) * 4 for _ in range(2)] for _ in range(STEPS)]
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    def run(tag, sharded, conv, data_parallel):
+        ref = _FeedForward()
+        conv.convert(ref)
+        opt_s = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
+        opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        out_err, grad_err, dx_err, sum_err, issued = [], [], [], [], []
+        for xs in batches:
+            x_ref = torch.cat(xs).requires_grad_()
+            y_ref = ref(x_ref)
+            # Each dp rank's loss is the mean over its rows; FSDP averages over dp ranks.
+            (y_ref.square().mean(dim=1).view(2, -1).mean(dim=1).mean()).backward()
+            x = (xs[dp_rank] if data_parallel else x_ref.detach()[:]).clone().requires_grad_()
+            y = sharded(x)
+            loss = y.square().mean(dim=1).view(1 if data_parallel else 2, -1).mean(dim=1).mean()
+            loss.backward()
+            rows = slice(6 * dp_rank, 6 * dp_rank + 6) if data_parallel else slice(None)
+            out_err.append(_rel(full(y).detach(), y_ref.detach()[rows]))
+            dx_ref = x_ref.grad[rows] * (2 if data_parallel else 1)
+            dx_err.append(_rel(x.grad, dx_ref))
+            grad_err.append(max(_rel(full(ps.grad), pr.grad)
+                                for ps, pr in zip(sharded.parameters(), ref.parameters())))
+            opt_s.step(), opt_r.step()
+            opt_s.zero_grad(), opt_r.zero_grad()
+            issued.append(conv.post_optimizer_hook([sharded]))
+            sums = []
+            for name, p in sharded.named_parameters():
+                local = p._local_tensor if isinstance(p, DTensor) else p
+                s = getattr(local, "_precomputed_abs_sum", None)
+                if s is not None:
+                    sums.append(_rel(s, full(p).detach().abs().sum()))
+            sum_err.append(max(sums) if sums else None)
+        res[tag] = dict(out=out_err, grad=grad_err, dx=dx_err, sums=sum_err, issued=issued,
+                        local=sorted({type(p._local_tensor).__name__ for n, p in sharded.named_parameters()
+                                      if n.endswith("weight")}))
+
+    all_reduce_calls = []
+    orig_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(*args, **kwargs):
+        all_reduce_calls.append(1)
+        return orig_all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
+
+    class _CountingConverter:
+        """The bitnet converter, reporting how many all-reduces its hook issued."""
+
+        def __init__(self, precompute):
+            job = SimpleNamespace(lowbit=LowBit(bitnet_filter=[], bitnet_precompute_scale=precompute))
+            self.conv = CONVERTERS["bitnet"](job, SimpleNamespace(tp_enabled=True))
+
+        def convert(self, model):
+            self.conv.convert(model)
+
+        def post_optimizer_hook(self, parts):
+            all_reduce_calls.clear()
+            self.conv.post_optimizer_hook(parts)
+            return len(all_reduce_calls)
+
+    for precompute in (True, False):
+        # Tensor parallelism alone (each dp group computes the same model on all rows).
+        conv = _CountingConverter(precompute)
+        tp_model = _FeedForward()
+        conv.convert(tp_model)
+        parallelize_module(tp_model, mesh["tp"], plan)
+        enable_tensor_parallel(tp_model, mesh["tp"])
+        run(f"tp_{'pre' if precompute else 'nopre'}", tp_model, conv, data_parallel=False)
+
+        # FSDP2 over dp x TP over tp.
+        conv = _CountingConverter(precompute)
+        model = _FeedForward()
+        conv.convert(model)
+        parallelize_module(model, mesh["tp"], plan)
+        for name in ("w1", "w3", "w2"):
+            fully_shard(getattr(model, name), mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        res.setdefault("tp_layers", enable_tensor_parallel(model, mesh["tp"]))
+        run(f"fsdp_tp_{'pre' if precompute else 'nopre'}", model, conv, data_parallel=True)
+
+    # FSDP x TP without enable_tensor_parallel: the scale would miss the TP sum; refused.
+    model = _FeedForward()
+    convert_to_bitnet(model, [])
+    parallelize_module(model, mesh["tp"], plan)
+    fully_shard(model, mesh=mesh["dp"])
+    try:
+        model(torch.randn(3, DIM))
+        res["missing_enable"] = None
+    except RuntimeError as e:
+        res["missing_enable"] = str(e)
+
+    # A converted nn.Linear subclass keeps its class: refused under TP, naming the layer.
+    class _MyLinear(nn.Linear):
+        pass
+
+    sub = nn.Sequential(_MyLinear(DIM, HIDDEN))
+    convert_to_bitnet(sub, [])
+    parallelize_module(sub, mesh["tp"], {"0": ColwiseParallel()})
+    try:
+        enable_tensor_parallel(sub, mesh["tp"])
+        res["subclass_error"] = None
+    except TypeError as e:
+        res["subclass_error"] = str(e)
+    dist.all_reduce = orig_all_reduce
+    return res
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_on_gloo(_scenarios, WORLD, tmp_path_factory.mktemp("bitnet_tp") / "res.pt")
+
+
+@pytest.mark.parametrize("tag", ["tp_pre", "tp_nopre", "fsdp_tp_pre", "fsdp_tp_nopre"])
+def test_sharded_bitnet_equals_unsharded(results, tag):
+    r = results[tag]
+    assert max(r["out"]) < TOL, r["out"]
+    assert max(r["dx"]) < TOL, r["dx"]
+    assert max(r["grad"]) < TOL, r["grad"]
+
+
+def test_fsdp_x_tp_gathers_ternary_codes(results):
+    assert results["fsdp_tp_pre"]["local"] == ["BitNetTrainingWeight"]
+    assert results["tp_layers"] == ["w1", "w3", "w2"]
+
+
+def test_precomputed_sums_cover_every_shard(results):
+    # One all-reduce per sharded mesh dimension for all layers: TP alone 1, FSDP x TP 2
+    # (w1 and w3 share their groups with w2; biases are not BitNet weights).
+    assert results["tp_pre"]["issued"] == [1] * STEPS
+    assert results["fsdp_tp_pre"]["issued"] == [2] * STEPS
+    assert results["tp_nopre"]["issued"] == [0] * STEPS
+    for tag in ("tp_pre", "fsdp_tp_pre"):
+        assert max(results[tag]["sums"]) < 1e-6, results[tag]["sums"]
+
+
+def test_tp_misuse_is_a_clear_error(results):
+    assert "enable_tensor_parallel" in results["missing_enable"]
+    assert "'0'" in results["subclass_error"] and "bitnet_filter" in results["subclass_error"]

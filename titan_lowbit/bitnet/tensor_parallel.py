@@ -1,0 +1,148 @@
+"""BitNet linear layers under tensor parallelism (ColwiseParallel / RowwiseParallel).
+
+torchtitan's TP plan shards a linear's weight as a DTensor on the TP mesh: dim 0 (output
+features) for ``ColwiseParallel``, dim 1 (input features) for ``RowwiseParallel``; the
+styles turn the input into a DTensor (replicated, or sharded on its last dim) and
+redistribute the output. DTensor's own matmul would see only the latent weight inside
+the DTensor and silently train a plain linear, so a converted layer
+(``BitNetLinear``) computes its forward here on the local shards and returns a DTensor
+with the placement the style expects:
+
+    column-wise  W = [W_0; W_1; ...] (rows),  x replicated:
+        y_r = BitNet(x, W_r)                 -> Shard(-1)
+        backward: dy_r holds a slice of each dy row, so the row abs-max that quantizes
+        dy for the int8 grad_input is all-reduced (MAX) over the TP ranks; dx_r is a
+        partial sum (the style's input redistribution reduces it)
+    row-wise     W = [W_0, W_1, ...] (columns), x sharded on its last dim:
+        x's row abs-max all-reduced (MAX) over the TP ranks, then
+        y_r = BitNet(x_r, W_r)               -> Partial (the style reduce-scatters)
+
+Every rank therefore quantizes exactly as the unsharded layer: the same row scales for
+x and dy, and the same tensor scale g = mean |W| from the whole weight's sum |W|
+(all-reduced over the TP ranks, and over the FSDP ranks first when FSDP shards the
+weight too). Up to the summation order of the partial products, the outputs and
+gradients equal the unsharded layer's.
+
+Under FSDP x TP the all-gather happens in ``fsdp_pre_all_gather``, before any forward,
+so the module carries its TP group (``bitnet_tp_group``, set by
+``enable_tensor_parallel`` after the model is parallelized) for the per-layer scale
+all-reduce there.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+from torch._prims_common import make_contiguous_strides_for
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from titan_lowbit.bitnet import ops
+from titan_lowbit.bitnet.weight import (
+    BitNetTernaryWeight,
+    BitNetTrainingWeight,
+    autocast_input,
+    check_dtypes,
+    local_training_weight,
+)
+
+
+def enable_tensor_parallel(model: nn.Module, tp_mesh) -> list[str]:
+    """Record the TP group on every BitNet linear whose weight the TP plan sharded.
+
+    Call after the model is parallelized (titan_lowbit's train spec does, when
+    ``parallelism.tensor_parallel_degree > 1``). BitNet linears the plan leaves alone
+    train as data-parallel layers. Returns the FQNs of the tensor-parallel BitNet layers.
+    """
+    from titan_lowbit.bitnet.linear import BitNetLinear
+
+    tp_name = (tp_mesh.mesh_dim_names or (None,))[0]
+    if tp_mesh.ndim != 1 or tp_name is None:
+        raise ValueError(f"BitNet: the TP mesh must be 1-D and named, got {tp_mesh}")
+    done = []
+    for name, mod in model.named_modules():
+        weight = getattr(mod, "weight", None)
+        if not isinstance(weight, torch.Tensor) or local_training_weight(weight) is None:
+            continue
+        names = weight.device_mesh.mesh_dim_names or () if isinstance(weight, DTensor) else ()
+        if tp_name not in names or not weight.placements[names.index(tp_name)].is_shard():
+            continue  # not tensor-parallel, or replicated over TP: its scale needs no TP sum
+        if not isinstance(mod, BitNetLinear):
+            raise TypeError(
+                f"BitNet: {name!r} ({type(mod).__name__}) has a tensor-parallel BitNet weight, "
+                "but only plain nn.Linear layers are converted to BitNetLinear, which computes "
+                f"the sharded forward. Add {name!r} to [lowbit] bitnet_filter."
+            )
+        mod.bitnet_tp_group = tp_mesh.get_group()
+        done.append(name)
+    return done
+
+
+def _weight_codes(module: nn.Module, weight: DTensor, group,
+                  sharded: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Ternary codes of this rank's weight shard, the whole weight's scale, int8 backward."""
+    local = weight._local_tensor  # the persistent object (to_local() returns a fresh view)
+    if isinstance(local, BitNetTernaryWeight):  # FSDP x TP: gathered over FSDP, scale done
+        if sharded and getattr(module, "bitnet_tp_group", None) is not group:
+            raise RuntimeError(
+                "BitNet: an FSDP-gathered tensor-parallel weight whose scale was not reduced "
+                "over the TP ranks; call titan_lowbit.bitnet.enable_tensor_parallel(model, "
+                "tp_mesh) after applying tensor parallelism and FSDP (torchtitan runs through "
+                "titan_lowbit's train spec do)."
+            )
+        return local._codes, local._scale, local._int8_backward
+    if isinstance(local, BitNetTrainingWeight):  # TP only: the latent shard is here
+        abs_sum = local._precomputed_abs_sum
+        if abs_sum is None:
+            abs_sum = torch.linalg.vector_norm(local._data.detach(), 1, dtype=torch.float32)
+            if sharded:
+                abs_sum = funcol.wait_tensor(funcol.all_reduce(abs_sum, "sum", group))
+        numel = module.in_features * module.out_features
+        codes, scale = ops.quantize_weight_shard(local._data, abs_sum, numel)
+        return codes, scale, local._int8_backward
+    raise TypeError(f"BitNet: unexpected local weight {type(local).__name__} in a TP DTensor")
+
+
+def tensor_parallel_linear(module: nn.Module, x: torch.Tensor) -> DTensor:
+    """Forward of a BitNet linear whose weight is a DTensor on a 1-D TP mesh (module doc)."""
+    weight, bias = module.weight, module.bias
+    mesh = weight.device_mesh
+    if mesh.ndim != 1:
+        raise NotImplementedError(
+            f"BitNet: a weight on a {mesh.ndim}-D mesh in forward; tensor parallelism over "
+            "one mesh dimension is supported (FSDP gathers its own dimension first)."
+        )
+    if not isinstance(x, DTensor):
+        raise TypeError(
+            "BitNet: a tensor-parallel BitNet linear got a plain input; apply it through a TP "
+            "style (ColwiseParallel / RowwiseParallel), which makes the input a DTensor."
+        )
+    group = mesh.get_group()
+    (placement,) = weight.placements
+    codes, scale, int8_bwd = _weight_codes(module, weight, group, placement.is_shard())
+    w_local = weight.to_local()  # autograd routes the local dW back to the DTensor weight
+    out_shape = (*x.shape[:-1], module.out_features)
+    if placement.is_shard() and placement.dim % 2 == 0:  # column-wise: output features
+        x_local = autocast_input(x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()]))
+        check_dtypes(x_local, w_local)
+        b_local = None if bias is None else bias.to_local()
+        y = ops.BitNetLinearFunction.apply(x_local, w_local, codes, scale, b_local, int8_bwd,
+                                           None, group)
+        return DTensor.from_local(y, mesh, [Shard(y.dim() - 1)], run_check=False,
+                                  shape=out_shape, stride=make_contiguous_strides_for(out_shape))
+    if placement.is_shard():  # row-wise: input features
+        x_local = autocast_input(x.redistribute(mesh, [Shard(x.dim() - 1)]).to_local())
+        check_dtypes(x_local, w_local)
+        x_amax = ops.all_reduce_row_absmax(x_local.reshape(-1, x_local.shape[-1]), group)
+        y = ops.BitNetLinearFunction.apply(x_local, w_local, codes, scale, None, int8_bwd,
+                                           x_amax, None)
+        y = DTensor.from_local(y, mesh, [Partial()], run_check=False,
+                               shape=out_shape, stride=make_contiguous_strides_for(out_shape))
+        return y if bias is None else y + bias
+    # Replicated weight: every rank computes the whole layer.
+    x_local = autocast_input(x.redistribute(mesh, [Replicate()]).to_local())
+    check_dtypes(x_local, w_local)
+    b_local = None if bias is None else bias.to_local()
+    y = ops.BitNetLinearFunction.apply(x_local, w_local, codes, scale, b_local, int8_bwd)
+    return DTensor.from_local(y, mesh, [Replicate()], run_check=False,
+                              shape=out_shape, stride=make_contiguous_strides_for(out_shape))
