@@ -176,9 +176,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="report earlier runs from their convergence_runs.json instead of running")
     parser.add_argument("--from-dump", type=Path, nargs="*", default=[],
                         help="report earlier runs from the train.log files under their --dump folder")
+    parser.add_argument("--only", nargs="*", default=[],
+                        help="run only the variants whose label contains one of these strings "
+                             "(the fp32 AdamW baseline always runs)")
     parser.add_argument("extra", nargs="*", help="torchtitan overrides for every run (after --)")
     args = parser.parse_args(argv)
     lrs = [float(x) for x in args.lrs.split(",")]
+    variants = [v for i, v in enumerate(VARIANTS)
+                if i == 0 or not args.only or any(o in v[0] for o in args.only)]
+    if args.only and len(variants) == 1:
+        parser.error(f"--only {args.only} matches no variant; labels: {[v[0] for v in VARIANTS]}")
     if args.from_json or args.from_dump:
         results = load_saved(args.from_json, args.from_dump, args.steps)
         lrs = sorted({lr for lr, _ in results}, reverse=True)
@@ -189,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     results = {}
     for lr in lrs:
-        for label, name, dtype, update in VARIANTS:
+        for label, name, dtype, update in variants:
             r = run_variant(args.config, name, dtype, update, lr, args.steps, args.extra,
                             args.dump / f"{lr:g}-{name}-{dtype}-{update}")
             results[(lr, label)] = r
