@@ -64,7 +64,7 @@ def enable_tensor_parallel(model: nn.Module, tp_mesh) -> list[str]:
         weight = getattr(mod, "weight", None)
         if not isinstance(weight, torch.Tensor) or local_training_weight(weight) is None:
             continue
-        names = weight.device_mesh.mesh_dim_names or () if isinstance(weight, DTensor) else ()
+        names = (weight.device_mesh.mesh_dim_names or ()) if isinstance(weight, DTensor) else ()
         if tp_name not in names or not weight.placements[names.index(tp_name)].is_shard():
             continue  # not tensor-parallel, or replicated over TP: its scale needs no TP sum
         if not isinstance(mod, BitNetLinear):
