@@ -53,8 +53,10 @@ from .quant_maps import (
     CODEC_FP8_E4M3,
     CODEC_LIN4_NOZERO,
     CODEC_NONE,
+    ENC_LOW,
     ENC_SHIFT,
     ENC_SIZE,
+    ENC_WINDOW,
     GOLDEN32,
     TABLE_LUT,
     TABLE_MID,
@@ -117,6 +119,8 @@ _K_TILE_BITS = tl.constexpr(TILE_BITS)
 _K_TILE_MASK = tl.constexpr((1 << TILE_BITS) - 1)
 _K_ENC_SHIFT = tl.constexpr(ENC_SHIFT)
 _K_ENC_SIZE = tl.constexpr(ENC_SIZE)
+_K_ENC_LOW = tl.constexpr(ENC_LOW)
+_K_ENC_WINDOW = tl.constexpr(ENC_WINDOW)
 _K_UPDATE_NEAREST = tl.constexpr(UPDATE_NEAREST)
 _K_UPDATE_STOCHASTIC = tl.constexpr(UPDATE_STOCHASTIC)
 _K_UPDATE_KAHAN = tl.constexpr(UPDATE_KAHAN)
@@ -187,12 +191,12 @@ def _bf16_stochastic(x, gidx, key, HW_CAST: tl.constexpr):
 
 
 @triton.jit
-def _lookup(table, idx):
-    """table[idx] for a 256-entry fp32 table, through shared memory: tl.gather stores the
-    table there once per program and each element reads its entry with one shared load.
-    Random 32-lane reads of a 1 KB table conflict on about 3 of the 32 banks, where the
-    same reads from global memory touch up to 8 L1 cache lines (the kernel's bound)."""
-    values = tl.load(table + tl.arange(0, 256))
+def _lookup(table, idx, SIZE: tl.constexpr):
+    """table[idx] for a SIZE-entry table, through shared memory: tl.gather stores the
+    table there once per program (coalesced loads) and each element reads its entry with
+    one shared load. The same random reads from global memory touch several L1 cache lines
+    per warp and use a few bytes of each 32-byte sector (the kernel's bound)."""
+    values = tl.load(table + tl.arange(0, SIZE))
     return tl.reshape(tl.gather(values, tl.reshape(idx, [idx.numel]), 0), idx.shape)
 
 
@@ -202,8 +206,9 @@ def _dyn_encode(x, tab, etab, M: tl.constexpr, SIGNED: tl.constexpr):
     (see quant_maps.py for why one compare is enough)."""
     a = tl.abs(x)
     idx = tl.minimum(a.to(tl.int32, bitcast=True) >> _K_ENC_SHIFT, _K_ENC_SIZE - 1)
-    cand = tl.load(etab + idx).to(tl.int32)
-    p = cand + (a > _lookup(tab + _K_TABLE_MID, cand)).to(tl.int32)
+    idx = tl.maximum(idx - _K_ENC_LOW, 0)  # the shared-memory window (quant_maps.ENC_LOW)
+    cand = _lookup(etab + _K_ENC_LOW, idx, _K_ENC_WINDOW).to(tl.int32)
+    p = cand + (a > _lookup(tab + _K_TABLE_MID, cand, 256)).to(tl.int32)
     if SIGNED:
         p = p | ((x < 0).to(tl.int32) << M)
     return p
@@ -216,9 +221,9 @@ def _dyn_decode(code, tab, M: tl.constexpr, SIGNED: tl.constexpr):
     the float."""
     c = code.to(tl.int32)
     if SIGNED:
-        val = _lookup(tab + _K_TABLE_LUT, c & ((1 << M) - 1))
+        val = _lookup(tab + _K_TABLE_LUT, c & ((1 << M) - 1), 256)
         return (val.to(tl.int32, bitcast=True) | ((c >> M) << 31)).to(tl.float32, bitcast=True)
-    return _lookup(tab + _K_TABLE_LUT, c)
+    return _lookup(tab + _K_TABLE_LUT, c, 256)
 
 
 @triton.jit

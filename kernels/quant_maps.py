@@ -73,6 +73,12 @@ TABLE_SIZE = TABLE_MID + 256
 ENC_MANT_BITS = 7
 ENC_SHIFT = 23 - ENC_MANT_BITS
 ENC_SIZE = 128 << ENC_MANT_BITS  # buckets of every float32 in [0, 2)
+# The kernel keeps only the top ENC_WINDOW buckets (floats from 2**-31 up) in shared memory
+# and clamps smaller values into the window's first bucket: every codec's smallest midpoint
+# lies far above 2**-31, so those buckets all hold candidate 0 (checked when the tables are
+# built) and the clamp changes no code.
+ENC_WINDOW = 4096
+ENC_LOW = ENC_SIZE - ENC_WINDOW
 
 
 def _dyn_decade(k: int, M: int) -> tuple[float, float]:
@@ -130,6 +136,8 @@ def _dyn_tables(codec: int) -> tuple[torch.Tensor, torch.Tensor]:
     per_bucket = torch.searchsorted(mids, upper, right=False) - enc
     if int(per_bucket.max()) > 1:
         raise AssertionError(f"codec {codec}: an encode bucket holds {int(per_bucket.max())} midpoints")
+    if int(enc[ENC_LOW]) != 0:
+        raise AssertionError(f"codec {codec}: a midpoint below the kernel's bucket window")
     return t, enc.to(torch.uint8)
 
 

@@ -54,13 +54,18 @@ FORMATS = {  # name: (m codec, v codec, block)
 SHAPES = [(3, 300), (257,), (5, 33), (2, 3, 64), (7,), (4, 512), (1, 129)]
 
 
-def _make(cfg, shape, gen, small_block_quant=True, sr_dense=False):
+def _spread(x, gen, spread):
+    """x with each element scaled by 10**-u, u uniform in [0, spread): 0 leaves x as is."""
+    return x * 10.0 ** (-spread * torch.rand(x.shape, generator=gen)) if spread else x
+
+
+def _make(cfg, shape, gen, small_block_quant=True, sr_dense=False, spread=0.0):
     rows = 1 if len(shape) == 1 else int(torch.tensor(shape[:-1]).prod())
     cols = shape[-1]
     p = torch.randn(shape, generator=gen).to(cfg.param_dtype)
 
     def moment(codec, signed):
-        x = torch.randn(rows, cols, generator=gen)
+        x = _spread(torch.randn(rows, cols, generator=gen), gen, spread)
         x = x if signed else x.abs() * 1e-2
         if codec == Q.CODEC_NONE:
             return x.view(shape).to(torch.bfloat16 if cfg.state_bf16 else torch.float32).contiguous(), None
@@ -103,12 +108,13 @@ def _compare_codes(name, a, b, codec):
 
 
 def _run(fmt, pdtype, update, decoupled=True, lr_tensor=False, grad_dtype=None, seed=0, elems=512,
-         sr_dense=False):
+         sr_dense=False, spread=0.0):
     mc, vc, block = FORMATS[fmt]
     cfg = K.AdamWConfig(mc, vc, fmt == "bf16", block, update, decoupled, pdtype, grad_dtype or pdtype)
     gen = torch.Generator().manual_seed(seed)
-    ts = [_make(cfg, s, gen, sr_dense=sr_dense) for s in SHAPES]
-    grads = [torch.randn(t.param.shape, generator=gen).to(cfg.grad_dtype).to(DEV) for t in ts]
+    ts = [_make(cfg, s, gen, sr_dense=sr_dense, spread=spread) for s in SHAPES]
+    grads = [_spread(torch.randn(t.param.shape, generator=gen), gen, spread).to(cfg.grad_dtype).to(DEV)
+             for t in ts]
     ref = [_clone(t) for t in ts]
     lr = torch.tensor(3e-3, device=DEV) if lr_tensor else 3e-3
     hyper = K.AdamWHyper(lr=lr, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=5)
@@ -148,6 +154,13 @@ def test_kernel_matches_reference_fp32_params(fmt):
 @pytest.mark.parametrize("update", ["nearest", "stochastic", "kahan", "master"])
 def test_kernel_matches_reference_bf16_params(fmt, update):
     _run(fmt, torch.bfloat16, K.WEIGHT_UPDATES[update], seed=1)
+
+
+@pytest.mark.parametrize("fmt", ["8bit", "4bit"])
+def test_kernel_matches_reference_across_twenty_decades(fmt):
+    """States and gradients spread over 1e-20..1 within a block: normalized values fall in
+    every encode bucket, below the kernel's shared-memory bucket window (2**-31) too."""
+    _run(fmt, torch.float32, K.UPDATE_NEAREST, seed=3, spread=20.0)
 
 
 def test_kernel_matches_reference_adam_l2_lr_tensor_mixed_grads():
