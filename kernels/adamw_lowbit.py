@@ -202,8 +202,9 @@ def _lookup(table, idx, SIZE: tl.constexpr):
 
 @triton.jit
 def _dyn_encode(x, tab, etab, M: tl.constexpr, SIGNED: tl.constexpr):
-    """Nearest dynamic-tree code of x in [-1, 1]: bucket table, then one midpoint compare
-    (see quant_maps.py for why one compare is enough)."""
+    """Nearest dynamic-tree code of x in [-1, 1]: bucket table (its shared-memory window of
+    ENC_WINDOW buckets; smaller values clamp into its first bucket, whose candidate is 0),
+    then one midpoint compare (see quant_maps.py for why one compare is enough)."""
     a = tl.abs(x)
     idx = tl.minimum(a.to(tl.int32, bitcast=True) >> _K_ENC_SHIFT, _K_ENC_SIZE - 1)
     idx = tl.maximum(idx - _K_ENC_LOW, 0)  # the shared-memory window (quant_maps.ENC_LOW)
