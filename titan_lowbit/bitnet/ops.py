@@ -1,7 +1,8 @@
 """BitNet b1.58 linear: custom ops over the kernels, and the straight-through autograd.
 
-The kernels run inside three ``torch.library`` operators with fake (meta) kernels
-(weight quantization, forward, backward), so torch.compile sees opaque nodes instead of
+The kernels run inside ``torch.library`` operators with fake (meta) kernels (weight
+quantization, of a whole weight or of a tensor-parallel shard, forward, backward), so
+torch.compile sees opaque nodes instead of
 tracing into Triton launch code, and the ops run on CUDA through the Triton kernels and
 on every other device through the pure-PyTorch references of the same math (the
 design's CPU path).
