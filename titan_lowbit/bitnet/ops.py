@@ -2,10 +2,9 @@
 
 The kernels run inside ``torch.library`` operators with fake (meta) kernels (weight
 quantization, of a whole weight or of a tensor-parallel shard, forward, backward), so
-torch.compile sees opaque nodes instead of
-tracing into Triton launch code, and the ops run on CUDA through the Triton kernels and
-on every other device through the pure-PyTorch references of the same math (the
-design's CPU path).
+torch.compile sees opaque nodes instead of tracing into Triton launch code, and the ops
+run on CUDA through the Triton kernels and on every other device through the
+pure-PyTorch references of the same math (the design's CPU path).
 
 Forward of ``y = x W^T + b`` (x: [..., K], W: [N, K]):
     x codes, s_x = row-wise abs-max int8 of x            (one fused kernel)
