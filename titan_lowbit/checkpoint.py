@@ -142,13 +142,18 @@ class CheckpointDamaged(RuntimeError):
                          + "\n" + advice)
 
 
+def step_folders(folder: str) -> dict[int, str]:
+    """{N: path} of the ``step-N`` folders in ``folder`` (torchtitan's naming)."""
+    if not os.path.isdir(folder):
+        return {}
+    return {int(m.group(1)): os.path.join(folder, name) for name in os.listdir(folder)
+            if (m := STEP_DIR.search(name))}
+
+
 def complete_steps(folder: str) -> list[int]:
     """Steps of the ``step-N`` folders in ``folder`` that hold a DCP ``.metadata``."""
-    if not os.path.isdir(folder):
-        return []
-    return sorted(int(m.group(1)) for name in os.listdir(folder)
-                  if (m := STEP_DIR.search(name))
-                  and os.path.isfile(os.path.join(folder, name, ".metadata")))
+    return sorted(step for step, path in step_folders(folder).items()
+                  if os.path.isfile(os.path.join(path, ".metadata")))
 
 
 def read_metadata(checkpoint_id: str):
@@ -328,17 +333,15 @@ def register() -> None:
     def _find_load_step(self, folder: str = "") -> int:
         step = original_find(self, folder)
         folder = folder or self.folder
-        if os.path.isdir(folder):
-            incomplete = sorted(
-                int(m.group(1)) for name in os.listdir(folder) if (m := STEP_DIR.search(name))
-                and not os.path.isfile(os.path.join(folder, name, ".metadata"))
-                and not os.path.isfile(os.path.join(folder, name, "model.safetensors.index.json")))
-            if newer := [s for s in incomplete if s > step]:
-                logger.warning(
-                    f"titan_lowbit: skipping incomplete checkpoint folder(s) "
-                    f"{[f'step-{s}' for s in newer]} in {folder} (no .metadata: a save that did "
-                    f"not finish); " + (f"resuming from step-{step}" if step >= 0 else
-                                        "no complete checkpoint to resume from"))
+        newer = sorted(s for s, path in step_folders(folder).items() if s > step
+                       and not os.path.isfile(os.path.join(path, ".metadata"))
+                       and not os.path.isfile(os.path.join(path, "model.safetensors.index.json")))
+        if newer:
+            logger.warning(
+                f"titan_lowbit: skipping incomplete checkpoint folder(s) "
+                f"{[f'step-{s}' for s in newer]} in {folder} (no .metadata: a save that did "
+                f"not finish); " + (f"resuming from step-{step}" if step >= 0 else
+                                    "no complete checkpoint to resume from"))
         return step
 
     dcp_load.titan_lowbit_checked = True
