@@ -122,27 +122,27 @@ def tensor_parallel_linear(module: nn.Module, x: torch.Tensor) -> DTensor:
     codes, scale, int8_bwd = _weight_codes(module, weight, group, placement.is_shard())
     w_local = weight.to_local()  # autograd routes the local dW back to the DTensor weight
     out_shape = (*x.shape[:-1], module.out_features)
+    x_amax = dy_rows_group = None
     if placement.is_shard() and placement.dim % 2 == 0:  # column-wise: output features
-        x_local = autocast_input(x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()]))
-        check_dtypes(x_local, w_local)
-        b_local = None if bias is None else bias.to_local()
-        y = ops.BitNetLinearFunction.apply(x_local, w_local, codes, scale, b_local, int8_bwd,
-                                           None, group)
-        return DTensor.from_local(y, mesh, [Shard(y.dim() - 1)], run_check=False,
-                                  shape=out_shape, stride=make_contiguous_strides_for(out_shape))
-    if placement.is_shard():  # row-wise: input features
-        x_local = autocast_input(x.redistribute(mesh, [Shard(x.dim() - 1)]).to_local())
-        check_dtypes(x_local, w_local)
-        x_amax = ops.all_reduce_row_absmax(x_local.reshape(-1, x_local.shape[-1]), group)
-        y = ops.BitNetLinearFunction.apply(x_local, w_local, codes, scale, None, int8_bwd,
-                                           x_amax, None)
-        y = DTensor.from_local(y, mesh, [Partial()], run_check=False,
-                               shape=out_shape, stride=make_contiguous_strides_for(out_shape))
-        return y if bias is None else y + bias
-    # Replicated weight: every rank computes the whole layer.
-    x_local = autocast_input(x.redistribute(mesh, [Replicate()]).to_local())
+        # dx is a partial sum over the ranks: the style's input redistribution reduces it.
+        x_local = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+        dy_rows_group, out_placement = group, Shard(len(out_shape) - 1)
+    elif placement.is_shard():  # row-wise: input features
+        x_local = x.redistribute(mesh, [Shard(x.dim() - 1)]).to_local()
+        out_placement = Partial()
+    else:  # replicated weight: every rank computes the whole layer
+        x_local = x.redistribute(mesh, [Replicate()]).to_local()
+        out_placement = Replicate()
+    x_local = autocast_input(x_local)
     check_dtypes(x_local, w_local)
-    b_local = None if bias is None else bias.to_local()
-    y = ops.BitNetLinearFunction.apply(x_local, w_local, codes, scale, b_local, int8_bwd)
-    return DTensor.from_local(y, mesh, [Replicate()], run_check=False,
-                              shape=out_shape, stride=make_contiguous_strides_for(out_shape))
+    partial = out_placement.is_partial()
+    if partial:
+        x_amax = ops.all_reduce_row_absmax(x_local.reshape(-1, x_local.shape[-1]), group)
+    # The bias joins the local output, except after a row-wise layer: there the replicated
+    # bias is added once to the reduced output (DTensor's Partial + Replicate).
+    b_local = None if bias is None or partial else bias.to_local()
+    y = ops.BitNetLinearFunction.apply(x_local, w_local, codes, scale, b_local, int8_bwd,
+                                       x_amax, dy_rows_group)
+    y = DTensor.from_local(y, mesh, [out_placement], run_check=False,
+                           shape=out_shape, stride=make_contiguous_strides_for(out_shape))
+    return y + bias if partial and bias is not None else y
