@@ -28,7 +28,6 @@ travels in the all-gather metadata (every rank holds the same value), not in the
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Iterable
 
 import torch
@@ -280,8 +279,8 @@ def precompute_scales(params: Iterable[torch.Tensor]) -> int:
     Unsharded weights need no precompute (their forward sees the whole tensor) and are
     skipped.
     """
-    by_groups: dict[tuple, list[BitNetTrainingWeight]] = defaultdict(list)
-    groups_of: dict[tuple, tuple] = {}
+    # group names -> (the groups, the weights sharded over them)
+    by_groups: dict[tuple, tuple[tuple, list[BitNetTrainingWeight]]] = {}
     for p in params:
         local = local_training_weight(p)
         if local is None or not isinstance(p, DTensor):
@@ -293,11 +292,9 @@ def precompute_scales(params: Iterable[torch.Tensor]) -> int:
         if groups:
             # Keyed by name: get_group returns a new Python handle on every call.
             key = tuple(g.group_name for g in groups)
-            groups_of[key] = groups
-            by_groups[key].append(local)
+            by_groups.setdefault(key, (groups, []))[1].append(local)
     issued = 0
-    for key, weights in by_groups.items():
-        groups = groups_of[key]
+    for groups, weights in by_groups.values():
         with torch.no_grad():
             # One multi-tensor launch for all local L1 norms (no |W| temporaries).
             sums = torch.stack(torch._foreach_norm([w._data for w in weights], 1, dtype=torch.float32))
