@@ -83,7 +83,9 @@ def _weight_codes(module: nn.Module, weight: DTensor, group,
     """Ternary codes of this rank's weight shard, the whole weight's scale, int8 backward."""
     local = weight._local_tensor  # the persistent object (to_local() returns a fresh view)
     if isinstance(local, BitNetTernaryWeight):  # FSDP x TP: gathered over FSDP, scale done
-        if sharded and getattr(module, "bitnet_tp_group", None) is not group:
+        recorded = getattr(module, "bitnet_tp_group", None)
+        # By name: a mesh may hand out a new Python handle for the same group.
+        if sharded and (recorded is None or recorded.group_name != group.group_name):
             raise RuntimeError(
                 "BitNet: an FSDP-gathered tensor-parallel weight whose scale was not reduced "
                 "over the TP ranks; call titan_lowbit.bitnet.enable_tensor_parallel(model, "
