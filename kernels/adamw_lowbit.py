@@ -53,15 +53,15 @@ from .quant_maps import (
     CODEC_FP8_E4M3,
     CODEC_LIN4_NOZERO,
     CODEC_NONE,
-    ENC_LOW,
-    ENC_SHIFT,
-    ENC_SIZE,
+    ENC_ROW,
     ENC_WINDOW,
     GOLDEN32,
     TABLE_LUT,
     TABLE_MID,
     TABLE_SIZE,
     codec_tables,
+    enc_shift,
+    enc_size,
     encode_tables,
     step_key,
 )
@@ -117,10 +117,17 @@ _K_TABLE_MID = tl.constexpr(TABLE_MID)
 _K_GOLDEN32 = tl.constexpr(GOLDEN32)
 _K_TILE_BITS = tl.constexpr(TILE_BITS)
 _K_TILE_MASK = tl.constexpr((1 << TILE_BITS) - 1)
-_K_ENC_SHIFT = tl.constexpr(ENC_SHIFT)
-_K_ENC_SIZE = tl.constexpr(ENC_SIZE)
-_K_ENC_LOW = tl.constexpr(ENC_LOW)
-_K_ENC_WINDOW = tl.constexpr(ENC_WINDOW)
+_K_ENC_ROW = tl.constexpr(ENC_ROW)
+# encode buckets per dynamic-tree codec: (shift, table size, shared-memory window)
+_K_ENC8S_SHIFT = tl.constexpr(enc_shift(CODEC_DYN8_SIGNED))
+_K_ENC8S_SIZE = tl.constexpr(enc_size(CODEC_DYN8_SIGNED))
+_K_ENC8S_WINDOW = tl.constexpr(ENC_WINDOW[CODEC_DYN8_SIGNED])
+_K_ENC8U_SHIFT = tl.constexpr(enc_shift(CODEC_DYN8_UNSIGNED))
+_K_ENC8U_SIZE = tl.constexpr(enc_size(CODEC_DYN8_UNSIGNED))
+_K_ENC8U_WINDOW = tl.constexpr(ENC_WINDOW[CODEC_DYN8_UNSIGNED])
+_K_ENC4_SHIFT = tl.constexpr(enc_shift(CODEC_DYN4_SIGNED))
+_K_ENC4_SIZE = tl.constexpr(enc_size(CODEC_DYN4_SIGNED))
+_K_ENC4_WINDOW = tl.constexpr(ENC_WINDOW[CODEC_DYN4_SIGNED])
 _K_UPDATE_NEAREST = tl.constexpr(UPDATE_NEAREST)
 _K_UPDATE_STOCHASTIC = tl.constexpr(UPDATE_STOCHASTIC)
 _K_UPDATE_KAHAN = tl.constexpr(UPDATE_KAHAN)
@@ -178,12 +185,17 @@ def _mix32(h):
 
 
 @triton.jit
-def _bf16_stochastic(x, gidx, key, HW_CAST: tl.constexpr):
+def _bf16_stochastic(x, gidx, key, HW_CAST: tl.constexpr, IDX32: tl.constexpr):
     """fp32 -> bf16 stochastic rounding: add 16 random bits below bf16's mantissa, truncate.
-    key = tensor_key ^ step_key; one mix32 round per element (the finalizer alone avalanches)."""
-    lo = (gidx & 0xFFFFFFFF).to(tl.uint32)
-    hi = (gidx >> 32).to(tl.uint32)
-    h = _mix32((lo ^ key) + hi * _K_GOLDEN32)
+    key = tensor_key ^ step_key; one mix32 round per element (the finalizer alone avalanches).
+    IDX32: every global index of the launch is below 2**32 and gidx is its uint32 (hi = 0,
+    so the hash is the same function with fewer instructions)."""
+    if IDX32:
+        h = _mix32(gidx ^ key)
+    else:
+        lo = (gidx & 0xFFFFFFFF).to(tl.uint32)
+        hi = (gidx >> 32).to(tl.uint32)
+        h = _mix32((lo ^ key) + hi * _K_GOLDEN32)
     bits = x.to(tl.uint32, bitcast=True)
     rounded = ((bits + (h & 0xFFFF)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     finite = tl.abs(x) < float("inf")
@@ -201,30 +213,32 @@ def _lookup(table, idx, SIZE: tl.constexpr):
 
 
 @triton.jit
-def _dyn_encode(x, tab, etab, M: tl.constexpr, SIGNED: tl.constexpr):
-    """Nearest dynamic-tree code of x in [-1, 1]: bucket table (its shared-memory window of
-    ENC_WINDOW buckets; smaller values clamp into its first bucket, whose candidate is 0),
-    then one midpoint compare (see quant_maps.py for why one compare is enough)."""
+def _dyn_encode(x, tab, etab, M: tl.constexpr, NMAG: tl.constexpr, SIGNED: tl.constexpr,
+                SHIFT: tl.constexpr, SIZE: tl.constexpr, WINDOW: tl.constexpr):
+    """Nearest dynamic-tree code of x in [-1, 1]: bucket table (SIZE buckets, a float's
+    bits >> SHIFT; its shared-memory window of the top WINDOW buckets, smaller values clamp
+    into the window's first bucket, whose candidate is 0), then one midpoint compare (see
+    quant_maps.py for why one compare is enough). NMAG = 2**M magnitudes."""
+    LOW: tl.constexpr = SIZE - WINDOW
     a = tl.abs(x)
-    idx = tl.minimum(a.to(tl.int32, bitcast=True) >> _K_ENC_SHIFT, _K_ENC_SIZE - 1)
-    idx = tl.maximum(idx - _K_ENC_LOW, 0)  # the shared-memory window (quant_maps.ENC_LOW)
-    cand = _lookup(etab + _K_ENC_LOW, idx, _K_ENC_WINDOW).to(tl.int32)
-    p = cand + (a > _lookup(tab + _K_TABLE_MID, cand, 256)).to(tl.int32)
+    idx = tl.minimum(a.to(tl.int32, bitcast=True) >> SHIFT, SIZE - 1)
+    idx = tl.maximum(idx - LOW, 0)  # the shared-memory window
+    cand = _lookup(etab + LOW, idx, WINDOW).to(tl.int32)
+    p = cand + (a > _lookup(tab + _K_TABLE_MID, cand, NMAG)).to(tl.int32)
     if SIGNED:
         p = p | ((x < 0).to(tl.int32) << M)
     return p
 
 
 @triton.jit
-def _dyn_decode(code, tab, M: tl.constexpr, SIGNED: tl.constexpr):
-    """Value of a dynamic-tree code: one read of the codec's value table, by magnitude (a
-    signed codec's reads then spread over half as many cache lines), sign bit moved onto
-    the float."""
+def _dyn_decode(code, tab, M: tl.constexpr, NMAG: tl.constexpr, SIGNED: tl.constexpr):
+    """Value of a dynamic-tree code: one read of the codec's value table (its NMAG = 2**M
+    magnitudes), sign bit moved onto the float."""
     c = code.to(tl.int32)
     if SIGNED:
-        val = _lookup(tab + _K_TABLE_LUT, c & ((1 << M) - 1), 256)
+        val = _lookup(tab + _K_TABLE_LUT, c & (NMAG - 1), NMAG)
         return (val.to(tl.int32, bitcast=True) | ((c >> M) << 31)).to(tl.float32, bitcast=True)
-    return _lookup(tab + _K_TABLE_LUT, c, 256)
+    return _lookup(tab + _K_TABLE_LUT, c, NMAG)
 
 
 @triton.jit
@@ -280,11 +294,11 @@ def _decode(code, tab, CODEC: tl.constexpr, HW_CAST: tl.constexpr):
     elif CODEC == _K_CODEC_FP8_E4M3:
         return _fp8_decode(code, HW_CAST)
     elif CODEC == _K_CODEC_DYN8_SIGNED:
-        return _dyn_decode(code, tab, 7, True)
+        return _dyn_decode(code, tab, 7, 128, True)
     elif CODEC == _K_CODEC_DYN8_UNSIGNED:
-        return _dyn_decode(code, tab, 8, False)
+        return _dyn_decode(code, tab, 8, 256, False)
     else:
-        return _dyn_decode(code, tab, 3, True)
+        return _dyn_decode(code, tab, 3, 8, True)
 
 
 @triton.jit
@@ -294,11 +308,11 @@ def _encode(x, tab, etab, CODEC: tl.constexpr, HW_CAST: tl.constexpr):
     elif CODEC == _K_CODEC_FP8_E4M3:
         return _fp8_encode(x, HW_CAST)
     elif CODEC == _K_CODEC_DYN8_SIGNED:
-        return _dyn_encode(x, tab, etab, 7, True)
+        return _dyn_encode(x, tab, etab, 7, 128, True, _K_ENC8S_SHIFT, _K_ENC8S_SIZE, _K_ENC8S_WINDOW)
     elif CODEC == _K_CODEC_DYN8_UNSIGNED:
-        return _dyn_encode(x, tab, etab, 8, False)
+        return _dyn_encode(x, tab, etab, 8, 256, False, _K_ENC8U_SHIFT, _K_ENC8U_SIZE, _K_ENC8U_WINDOW)
     else:
-        return _dyn_encode(x, tab, etab, 3, True)
+        return _dyn_encode(x, tab, etab, 3, 8, True, _K_ENC4_SHIFT, _K_ENC4_SIZE, _K_ENC4_WINDOW)
 
 
 @triton.jit
@@ -377,7 +391,7 @@ def _adamw_lowbit_kernel(
     lr_value, inv_bc1, inv_sqrt_bc2, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, wd, skey,
     M_CODEC: tl.constexpr, V_CODEC: tl.constexpr, UPDATE: tl.constexpr,
     DECOUPLED: tl.constexpr, LR_IS_TENSOR: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
-    SR_DENSE: tl.constexpr, HW_CAST: tl.constexpr, QBLOCK: tl.constexpr, NB: tl.constexpr,
+    SR_DENSE: tl.constexpr, SR_IDX32: tl.constexpr, HW_CAST: tl.constexpr, QBLOCK: tl.constexpr, NB: tl.constexpr,
 ):
     # Buffers are addressed as base pointer (a kernel argument, so the compiler knows its
     # alignment) + per-tensor element offset from the metadata table (+ hint when ALIGNED):
@@ -399,15 +413,16 @@ def _adamw_lowbit_kernel(
     PACKED: tl.constexpr = M_CODEC == _K_CODEC_DYN4_SIGNED or M_CODEC == _K_CODEC_LIN4_NOZERO
     CBLOCK: tl.constexpr = QBLOCK // 2 if PACKED else QBLOCK
     bidx = q0 + tl.arange(0, NB)
+    # Offsets inside one tensor are int32 (a launch's tensors have < 2**31 elements, checked
+    # when the plan is built): half the registers and address arithmetic of int64.
     if EVEN:
-        e_start = bidx.to(tl.int64) * QBLOCK
-        c_start = bidx.to(tl.int64) * CBLOCK
+        e_start = bidx * QBLOCK
+        c_start = bidx * CBLOCK
     else:
         row = bidx // bpr
         cb = bidx - row * bpr
-        row64 = row.to(tl.int64)
-        e_start = row64 * cols + cb * QBLOCK
-        c_start = row64 * code_row + cb * CBLOCK
+        e_start = row * cols.to(tl.int32) + cb * QBLOCK
+        c_start = row * code_row.to(tl.int32) + cb * CBLOCK
     if ALIGNED:
         e_start = tl.multiple_of(e_start, 16)
         c_start = tl.multiple_of(c_start, 16)
@@ -446,8 +461,8 @@ def _adamw_lowbit_kernel(
 
     tab_m = tables_ptr + M_CODEC * _K_TABLE_SIZE
     tab_v = tables_ptr + V_CODEC * _K_TABLE_SIZE
-    etab_m = enc_tables_ptr + M_CODEC * _K_ENC_SIZE
-    etab_v = enc_tables_ptr + V_CODEC * _K_ENC_SIZE
+    etab_m = enc_tables_ptr + M_CODEC * _K_ENC_ROW
+    etab_v = enc_tables_ptr + V_CODEC * _K_ENC_ROW
     m_off = _meta_offset(meta, _K_META_M, ALIGNED)
     v_off = _meta_offset(meta, _K_META_V, ALIGNED)
     ms_off = tl.load(meta + _K_META_MSCALE)
@@ -483,13 +498,19 @@ def _adamw_lowbit_kernel(
         # SR_BASE + the local element offset)
         sr_base = tl.load(meta + _K_META_SR_BASE)
         if SR_DENSE:
-            gidx = sr_base + eoff
+            if SR_IDX32:
+                gidx = sr_base.to(tl.uint32) + eoff.to(tl.uint32)
+            else:
+                gidx = sr_base + eoff
         else:
             srow = bidx // bpr
             g_start = sr_base + srow.to(tl.int64) * tl.load(meta + _K_META_SR_ROW) + (bidx - srow * bpr) * QBLOCK
-            gidx = g_start[:, None] + lane
+            if SR_IDX32:
+                gidx = g_start.to(tl.uint32)[:, None] + lane.to(tl.uint32)
+            else:
+                gidx = g_start[:, None] + lane
         key = tl.load(meta + _K_META_SR_KEY).to(tl.uint32) ^ skey.to(tl.uint32)
-        _st(pptr, _bf16_stochastic(p_new, gidx, key, HW_CAST), emask, EVEN)
+        _st(pptr, _bf16_stochastic(p_new, gidx, key, HW_CAST, SR_IDX32), emask, EVEN)
     elif UPDATE == _K_UPDATE_KAHAN:
         c = _ld(xptr, emask, EVEN).to(tl.float32)
         s = (p_new - p) + c
@@ -622,6 +643,7 @@ class FusedAdamW:
         self.aligned = aligned
         self.even = all(self.is_even(cfg, t, self.nb) for t in tensors)
         self.sr_dense = all(t.sr_row_stride == t.cols or t.rows == 1 for t in tensors)
+        self.sr_idx32 = all(t.sr_base + (t.rows - 1) * t.sr_row_stride + t.cols <= 2**32 for t in tensors)
         self.meta = meta.to(self.device)
         self.tiles = torch.cat(tiles).to(self.device)
         self.n_programs = self.tiles.numel()
@@ -692,7 +714,7 @@ class FusedAdamW:
             s["beta2"], s["one_minus_beta2"], s["eps"], s["wd"], s["skey"],
             M_CODEC=cfg.m_codec, V_CODEC=cfg.v_codec, UPDATE=cfg.weight_update,
             DECOUPLED=cfg.decoupled, LR_IS_TENSOR=lr_is_tensor,
-            ALIGNED=self.aligned, EVEN=self.even, SR_DENSE=self.sr_dense,
+            ALIGNED=self.aligned, EVEN=self.even, SR_DENSE=self.sr_dense, SR_IDX32=self.sr_idx32,
             HW_CAST=not interpreting(), QBLOCK=cfg.block, NB=self.nb, num_warps=self.num_warps,
         )
         return True

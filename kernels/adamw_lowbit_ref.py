@@ -119,7 +119,7 @@ def bf16_stochastic(x: torch.Tensor, gidx: torch.Tensor, tkey: int, skey: int) -
 # ---------------------------------------------------------------------------------------
 def _dyn_encode(x: torch.Tensor, codec: int, M: int, signed: bool) -> torch.Tensor:
     a = x.abs()
-    cand = encode_tables(str(x.device))[codec][enc_bucket(a)].to(torch.int64)
+    cand = encode_tables(str(x.device))[codec][enc_bucket(a, codec)].to(torch.int64)
     mid = codec_tables(str(x.device))[codec][TABLE_MID + cand]
     p = (cand + (a > mid).to(torch.int64)).to(torch.int32)
     if signed:

@@ -53,10 +53,9 @@ DYN_SIGNED = {CODEC_DYN8_SIGNED: True, CODEC_DYN8_UNSIGNED: False, CODEC_DYN4_SI
 # Dynamic-tree codecs run on tables (both in the kernel and in the reference):
 #   decode: value = LUT[code]
 #   encode: a = |x|; cand = ENC[bucket(a)]; p = cand + (a > MID[cand]); sign bit on top
-# where bucket(a) is a's float32 bits >> ENC_SHIFT (its exponent and top ENC_MANT_BITS
-# mantissa bits: one bucket per value for every a < 2, so only an upper clamp; 7 bits keep
-# at most one midpoint per bucket and make a bucket row of one octave one 128-byte cache
-# line, so a warp's random reads touch fewer lines), ENC[b] is the number of
+# where bucket(a) is a's float32 bits >> enc_shift(codec) (its exponent and top
+# ENC_MANT_BITS[codec] mantissa bits: one bucket per value for every a < 2, so only an
+# upper clamp), ENC[b] is the number of
 # midpoints MID[p] = (value(p) + value(p + 1)) / 2 below the bucket's lower edge, and every
 # bucket holds at most one midpoint (checked when the tables are built). So encode returns
 # exactly the nearest code (ties to the smaller magnitude), with two table reads instead of
@@ -64,21 +63,34 @@ DYN_SIGNED = {CODEC_DYN8_SIGNED: True, CODEC_DYN8_UNSIGNED: False, CODEC_DYN4_SI
 #   [0:S)       decade thresholds 10**(k - M), k >= 1 (table construction only)
 #   [S:2S)      offset of decade k
 #   [3S:4S)     step of decade k: value(p) = offset + (f + 1) * step, p = 2**k + f
-#   [LUT:+256)  value of every code (sign included)
-#   [MID:+256)  midpoint above every magnitude code (+inf above the largest)
+#   [LUT:+256)  value of every code (sign included; the kernel reads the first 2**M,
+#               by magnitude)
+#   [MID:+256)  midpoint above every magnitude code (+inf above the largest; 2**M used)
 TABLE_STRIDE = 8
 TABLE_LUT = 4 * TABLE_STRIDE
 TABLE_MID = TABLE_LUT + 256
 TABLE_SIZE = TABLE_MID + 256
-ENC_MANT_BITS = 7
-ENC_SHIFT = 23 - ENC_MANT_BITS
-ENC_SIZE = 128 << ENC_MANT_BITS  # buckets of every float32 in [0, 2)
-# The kernel keeps only the top ENC_WINDOW buckets (floats from 2**-31 up) in shared memory
-# and clamps smaller values into the window's first bucket: every codec's smallest midpoint
-# lies far above 2**-31, so those buckets all hold candidate 0 (checked when the tables are
-# built) and the clamp changes no code.
-ENC_WINDOW = 4096
-ENC_LOW = ENC_SIZE - ENC_WINDOW
+# Encode buckets per codec: the fewest mantissa bits that keep at most one midpoint in
+# every bucket (checked when the tables are built), and the kernel's shared-memory window
+# (the top ENC_WINDOW buckets; smaller values clamp into the window's first bucket, which
+# changes no code because every codec's smallest midpoint lies above the window's lower
+# edge, also checked). Small tables matter in shared memory: a table of at most 32 words
+# is read without bank conflicts, and each program stores its tables once. The 4-bit
+# dynamic map needs 1 bit and 32 buckets (32 bytes); the 8-bit maps 7 bits and 4096
+# buckets (floats from 2**-31 up).
+ENC_MANT_BITS = {CODEC_DYN8_SIGNED: 7, CODEC_DYN8_UNSIGNED: 7, CODEC_DYN4_SIGNED: 1}
+ENC_WINDOW = {CODEC_DYN8_SIGNED: 4096, CODEC_DYN8_UNSIGNED: 4096, CODEC_DYN4_SIGNED: 32}
+ENC_ROW = 128 << max(ENC_MANT_BITS.values())  # row stride of the stacked encode tables
+
+
+def enc_shift(codec: int) -> int:
+    """Right shift of a float32's bits that leaves its bucket index (exponent and top bits)."""
+    return 23 - ENC_MANT_BITS[codec]
+
+
+def enc_size(codec: int) -> int:
+    """Buckets of a codec's encode table: every float32 in [0, 2)."""
+    return 128 << ENC_MANT_BITS[codec]
 
 
 def _dyn_decade(k: int, M: int) -> tuple[float, float]:
@@ -105,10 +117,10 @@ def dyn_decode_arith(code: torch.Tensor, tab: torch.Tensor, M: int, signed: bool
     return val
 
 
-def enc_bucket(a: torch.Tensor) -> torch.Tensor:
-    """Bucket index (int64) of non-negative float32 values for the encode table."""
-    idx = (a.contiguous().view(torch.int32) >> ENC_SHIFT).to(torch.int64)
-    return idx.clamp(max=ENC_SIZE - 1)
+def enc_bucket(a: torch.Tensor, codec: int) -> torch.Tensor:
+    """Bucket index (int64) of non-negative float32 values in ``codec``'s encode table."""
+    idx = (a.contiguous().view(torch.int32) >> enc_shift(codec)).to(torch.int64)
+    return idx.clamp(max=enc_size(codec) - 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,15 +142,16 @@ def _dyn_tables(codec: int) -> tuple[torch.Tensor, torch.Tensor]:
     mids = ((mags[:-1] + mags[1:]) / 2).float()
     t[TABLE_MID:TABLE_MID + 2**M - 1] = mids
     t[TABLE_MID + 2**M - 1:] = float("inf")
-    lower = (torch.arange(ENC_SIZE, dtype=torch.int64) << ENC_SHIFT).to(torch.int32).view(torch.float32)
+    size = enc_size(codec)
+    lower = (torch.arange(size, dtype=torch.int64) << enc_shift(codec)).to(torch.int32).view(torch.float32)
     upper = torch.cat([lower[1:], torch.tensor([2.0])])
     enc = torch.searchsorted(mids, lower, right=False)  # #mids < lower edge
     per_bucket = torch.searchsorted(mids, upper, right=False) - enc
     if int(per_bucket.max()) > 1:
         raise AssertionError(f"codec {codec}: an encode bucket holds {int(per_bucket.max())} midpoints")
-    if int(enc[ENC_LOW]) != 0:
+    if int(enc[size - ENC_WINDOW[codec]]) != 0:
         raise AssertionError(f"codec {codec}: a midpoint below the kernel's bucket window")
-    return t, enc.to(torch.uint8)
+    return t, torch.nn.functional.pad(enc, (0, ENC_ROW - size)).to(torch.uint8)
 
 
 def codec_table(codec: int) -> torch.Tensor:
@@ -157,8 +170,9 @@ def codec_tables(device: str) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def encode_tables(device: str) -> torch.Tensor:
-    """All encode tables stacked as ``[n_codecs, ENC_SIZE]`` uint8 on ``device`` (cached)."""
-    rows = [_dyn_tables(c)[1] if c in DYN_MAGNITUDE_BITS else torch.zeros(ENC_SIZE, dtype=torch.uint8)
+    """All encode tables stacked as ``[n_codecs, ENC_ROW]`` uint8 on ``device`` (cached;
+    a codec's table fills the first ``enc_size(codec)`` entries of its row)."""
+    rows = [_dyn_tables(c)[1] if c in DYN_MAGNITUDE_BITS else torch.zeros(ENC_ROW, dtype=torch.uint8)
             for c in range(CODEC_FP8_E4M3 + 1)]
     return torch.stack(rows).to(device)
 
