@@ -720,16 +720,23 @@ class FusedAdamW:
         self._grad_base = grads[0]
         return True
 
-    def grads_fit(self, grads: Sequence[torch.Tensor]) -> bool:
-        """Whether these gradients can use this plan (alignment of their relative offsets)."""
-        return not self.aligned or all(g.data_ptr() % 64 == 0 for g in grads)
+    def point_at(self, grads: Sequence[torch.Tensor]) -> bool:
+        """Point the plan at this step's gradients (uploading their offsets if they moved);
+        False if their alignment does not fit this plan, so the caller can build one that
+        fits."""
+        return self._upload_grads(grads)
 
     def step(self, grads: Sequence[torch.Tensor], hyper: AdamWHyper) -> bool:
         """Launch the step; returns False (and launches nothing) if the gradients' alignment
         does not fit this plan, so the caller can build one that fits."""
-        cfg = self.cfg
         if not self._upload_grads(grads):
             return False
+        self.launch(hyper)
+        return True
+
+    def launch(self, hyper: AdamWHyper) -> None:
+        """Launch the step on the gradients the plan points at (``point_at``)."""
+        cfg = self.cfg
         s = hyper_scalars(hyper)
         lr_is_tensor = isinstance(hyper.lr, torch.Tensor)
         lr_tensor = hyper.lr if lr_is_tensor else self.tables
@@ -741,7 +748,7 @@ class FusedAdamW:
             s["beta2"], s["one_minus_beta2"], s["eps"], s["wd"], s["skey"],
             M_CODEC=cfg.m_codec, V_CODEC=cfg.v_codec, UPDATE=cfg.weight_update,
             DECOUPLED=cfg.decoupled, LR_IS_TENSOR=lr_is_tensor,
-            ALIGNED=self.aligned, EVEN=self.even, SR_DENSE=self.sr_dense, SR_IDX32=self.sr_idx32, SR_PAIRED=self.sr_paired,
-            HW_CAST=not interpreting(), QBLOCK=cfg.block, NB=self.nb, num_warps=self.num_warps,
+            ALIGNED=self.aligned, EVEN=self.even, SR_DENSE=self.sr_dense, SR_IDX32=self.sr_idx32,
+            SR_PAIRED=self.sr_paired, HW_CAST=not interpreting(), QBLOCK=cfg.block, NB=self.nb,
+            num_warps=self.num_warps,
         )
-        return True

@@ -324,6 +324,54 @@ def test_optimizer_launch_plans_match_reference_path():
                 assert torch.equal(fused.state[a][key], val), key
 
 
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_fused_path_nonfinite_gradient_changes_nothing(policy):
+    """The fused path prepares its launches before the non-finite check's sync: a NaN
+    gradient must still leave every weight, state and step count as it was (raise names
+    the parameter; skip counts the step), and the next finite step equals the reference."""
+    from titan_lowbit.optim import adamw as A
+
+    gen = torch.Generator().manual_seed(1)
+    base = [torch.randn(s, generator=gen) for s in [(16, 256), (300,), (8, 512)]]
+    pf = [torch.nn.Parameter(b.clone().to(DEV)) for b in base]
+    pr = [torch.nn.Parameter(b.clone().to(DEV)) for b in base]
+    kw = dict(lr=1e-2, state_format="4bit", min_quantized_numel=1000, nonfinite_grad=policy)
+    fused = A.LowBitAdamW([(f"w{i}", p) for i, p in enumerate(pf)], **kw)
+    ref = A.LowBitAdamW([(f"w{i}", p) for i, p in enumerate(pr)], **kw)
+    fused._use_fused = lambda t: True
+    ref._use_fused = lambda t: False
+
+    def grads(bad):
+        gs = [torch.randn(b.shape, generator=gen).to(DEV) for b in base]
+        if bad:
+            gs[2][3, 7] = float("nan")
+        for a, b, g in zip(pf, pr, gs):
+            a.grad, b.grad = g.clone(), g.clone()
+
+    grads(False)
+    fused.step()
+    ref.step()
+    before = [p.detach().clone() for p in pf]
+    state = {k: v.clone() for k, v in fused.state[pf[0]].items()}
+    grads(True)
+    if policy == "raise":
+        with pytest.raises(FloatingPointError, match="'w2'"):
+            fused.step()
+    else:
+        fused.step()
+        assert fused.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(pf, before))
+    assert all(torch.equal(fused.state[pf[0]][k], v) for k, v in state.items())
+    grads(False)
+    fused.step()
+    ref.step()
+    for a, b in zip(pf, pr):
+        if CUDA:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(a, b)
+
+
 def test_fused_path_updates_bitnet_weights_in_place():
     """BitNet's training weight is a wrapper subclass whose own data_ptr() is 0: the fused
     kernels must update its inner tensor, giving the same bits as the reference path."""

@@ -325,18 +325,24 @@ class LowBitAdamW(torch.optim.Optimizer):
                              f"{tuple(_local(p).shape)}")
         return lg if lg.is_contiguous() else lg.contiguous()
 
-    def _nonfinite_param(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> Optional[str]:
-        """Name of a parameter with a non-finite gradient, '' if only another rank has one,
-        None if all are finite. One fused max-abs pass over the gradients and one sync."""
-        flags = []
+    @staticmethod
+    def _nonfinite_launch(grads: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
+        """Launch the non-finite check: per device, one fused max-abs pass over the
+        gradients and a flag per gradient (no host sync yet)."""
         by_device: dict[torch.device, list[int]] = {}
         for i, g in enumerate(grads):
             by_device.setdefault(g.device, []).append(i)
+        flags = []
+        for idx in by_device.values():
+            norms = torch._foreach_norm([grads[i] for i in idx], float("inf"), dtype=torch.float32)
+            flags.append((idx, torch.isfinite(torch.stack(norms))))
+        return flags
+
+    def _nonfinite_param(self, params: list[torch.Tensor],
+                         flags: list[tuple[list[int], torch.Tensor]]) -> Optional[str]:
+        """Name of a parameter with a non-finite gradient, '' if only another rank has one,
+        None if all are finite (the host sync of the check)."""
         bad_local: Optional[int] = None
-        for dev, idx in by_device.items():
-            norms = torch._foreach_norm([grads[i] for i in idx], float("inf"))
-            finite = torch.isfinite(torch.stack([n.float() for n in norms]))
-            flags.append((idx, finite))
         distributed = (torch.distributed.is_available() and torch.distributed.is_initialized()
                        and torch.distributed.get_world_size() > 1 and any(isinstance(p, DTensor) for p in params))
         for idx, finite in flags:
@@ -345,7 +351,8 @@ class LowBitAdamW(torch.optim.Optimizer):
                 bad_local = idx[int((~fin).nonzero()[0])] if bad_local is None else bad_local
         if distributed:
             # Every rank must take the same decision, or they step different models.
-            backend_dev = grads[0].device if torch.distributed.get_backend() != "gloo" else torch.device("cpu")
+            device = params[0].device if not isinstance(params[0], DTensor) else params[0]._local_tensor.device
+            backend_dev = device if torch.distributed.get_backend() != "gloo" else torch.device("cpu")
             any_bad = torch.tensor([0.0 if bad_local is None else 1.0], device=backend_dev)
             torch.distributed.all_reduce(any_bad, op=torch.distributed.ReduceOp.MAX)
             if bad_local is None and float(any_bad.item()) > 0:
@@ -367,8 +374,23 @@ class LowBitAdamW(torch.optim.Optimizer):
             plan = self._step_plan = self._build_step_plan(with_grad)
         grads = plan.local_grads(self)
 
-        if self.nonfinite_grad != "ignore":
-            bad = self._nonfinite_param(plan.params, grads)
+        # Everything a launch needs is prepared before the non-finite check's host sync
+        # (plans, pointer checks, gradient-offset uploads, scalars), so that after the
+        # sync only the kernel launches remain: the GPU idles for them alone.
+        check = self._nonfinite_launch(grads) if self.nonfinite_grad != "ignore" else None
+        work = []
+        for fam in plan.families:
+            group = self.param_groups[fam.group]
+            hyper = AdamWHyper(lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
+                               eps=group["eps"], weight_decay=group["weight_decay"], step=fam.step + 1)
+            fam_grads = [grads[i] for i in fam.index]
+            if self._use_fused(_local(fam.params[0])):
+                work.append((fam, hyper, self._fused_launches(fam, fam_grads), None))
+            else:
+                work.append((fam, hyper, None, fam_grads))
+
+        if check is not None:
+            bad = self._nonfinite_param(plan.params, check)
             if bad is not None:
                 where = f"param '{bad}'" if bad else "a parameter on another rank"
                 if self.nonfinite_grad == "raise":
@@ -385,14 +407,11 @@ class LowBitAdamW(torch.optim.Optimizer):
             self._steps_buf.add_(1.0)
         else:
             self._steps_buf.index_add_(0, plan.step_index, torch.ones(len(plan.params)))
-        for fam in plan.families:
+        for fam, hyper, launches, fam_grads in work:
             fam.step += 1
-            group = self.param_groups[fam.group]
-            hyper = AdamWHyper(lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
-                               eps=group["eps"], weight_decay=group["weight_decay"], step=fam.step)
-            fam_grads = [grads[i] for i in fam.index]
-            if self._use_fused(_local(fam.params[0])):
-                self._step_fused(fam, fam_grads, hyper)
+            if launches is not None:
+                for pl in launches:
+                    pl.launch(hyper)
             else:
                 tensors = [self._kernel_tensor(p, fam.cfg) for p in fam.params]
                 adamw_step_reference(fam.cfg, tensors, fam_grads, hyper)
@@ -437,22 +456,18 @@ class LowBitAdamW(torch.optim.Optimizer):
                            block=block, weight_update=update, decoupled=bool(group["decoupled_weight_decay"]),
                            param_dtype=p.dtype, grad_dtype=grad.dtype)
 
-    def _step_fused(self, fam: "_Family", grads: list[torch.Tensor], hyper: AdamWHyper) -> None:
-        """Launch the cached plans of a family (built on first use, and again whenever the
-        set of parameters with gradients or the gradients' alignment changes)."""
+    def _fused_launches(self, fam: "_Family", grads: list[torch.Tensor]) -> list[FusedAdamW]:
+        """The cached plans of a family, pointed at this step's gradients, ready to launch
+        (built on first use, and again whenever the set of parameters with gradients or
+        the gradients' alignment changes)."""
         if fam.launches is None:
             fam.launches, fam.launches_param_ptrs = self._plans.get(
                 (fam.group, fam.cfg, tuple(map(id, fam.params))), (None, None))
         if fam.launches is not None and [_local(p).data_ptr() for p in fam.params] != fam.launches_param_ptrs:
             fam.launches = None  # a parameter's storage was replaced (p.data = ...): rebuild
         if fam.launches is not None:
-            if len(fam.launches) == 1:  # the common case: one launch for the whole family
-                if fam.launches[0][0].step(grads, hyper):
-                    return
-            elif all(pl.grads_fit([grads[i] for i in sel]) for pl, sel in fam.launches):
-                for pl, sel in fam.launches:
-                    pl.step([grads[i] for i in sel], hyper)
-                return
+            if all(pl.point_at([grads[i] for i in sel]) for pl, sel in fam.launches):
+                return [pl for pl, _ in fam.launches]
         cfg = fam.cfg
         tensors = [self._kernel_tensor(p, cfg) for p in fam.params]
         variants: dict[tuple[bool, bool], list[int]] = {}
@@ -466,7 +481,9 @@ class LowBitAdamW(torch.optim.Optimizer):
         fam.launches_param_ptrs = [_local(p).data_ptr() for p in fam.params]
         self._plans[(fam.group, cfg, tuple(map(id, fam.params)))] = (fam.launches, fam.launches_param_ptrs)
         for pl, sel in fam.launches:
-            pl.step([grads[i] for i in sel], hyper)
+            if not pl.point_at([grads[i] for i in sel]):
+                raise RuntimeError("LowBitAdamW: a launch plan built for these gradients does not fit them")
+        return [pl for pl, _ in fam.launches]
 
     def _kernel_tensor(self, p: torch.Tensor, cfg: AdamWConfig) -> AdamWTensor:
         """The kernel's view of one parameter: local buffers and the [rows, cols] layout."""
