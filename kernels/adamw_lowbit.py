@@ -54,6 +54,7 @@ from .quant_maps import (
     CODEC_FP8_E4M3,
     CODEC_LIN4_NOZERO,
     CODEC_NONE,
+    DYN_MAGNITUDE_BITS,
     ENC_ROW,
     ENC_WINDOW,
     GOLDEN32,
@@ -119,7 +120,14 @@ _K_GOLDEN32 = tl.constexpr(GOLDEN32)
 _K_TILE_BITS = tl.constexpr(TILE_BITS)
 _K_TILE_MASK = tl.constexpr((1 << TILE_BITS) - 1)
 _K_ENC_ROW = tl.constexpr(ENC_ROW)
-# encode buckets per dynamic-tree codec: (shift, table size, shared-memory window)
+# per dynamic-tree codec: magnitude bits M and 2**M magnitudes; encode buckets (shift,
+# table size, shared-memory window)
+_K_DYN8S_M = tl.constexpr(DYN_MAGNITUDE_BITS[CODEC_DYN8_SIGNED])
+_K_DYN8S_NMAG = tl.constexpr(1 << DYN_MAGNITUDE_BITS[CODEC_DYN8_SIGNED])
+_K_DYN8U_M = tl.constexpr(DYN_MAGNITUDE_BITS[CODEC_DYN8_UNSIGNED])
+_K_DYN8U_NMAG = tl.constexpr(1 << DYN_MAGNITUDE_BITS[CODEC_DYN8_UNSIGNED])
+_K_DYN4_M = tl.constexpr(DYN_MAGNITUDE_BITS[CODEC_DYN4_SIGNED])
+_K_DYN4_NMAG = tl.constexpr(1 << DYN_MAGNITUDE_BITS[CODEC_DYN4_SIGNED])
 _K_ENC8S_SHIFT = tl.constexpr(enc_shift(CODEC_DYN8_SIGNED))
 _K_ENC8S_SIZE = tl.constexpr(enc_size(CODEC_DYN8_SIGNED))
 _K_ENC8S_WINDOW = tl.constexpr(ENC_WINDOW[CODEC_DYN8_SIGNED])
@@ -316,11 +324,11 @@ def _decode(code, tab, CODEC: tl.constexpr, HW_CAST: tl.constexpr):
     elif CODEC == _K_CODEC_FP8_E4M3:
         return _fp8_decode(code, HW_CAST)
     elif CODEC == _K_CODEC_DYN8_SIGNED:
-        return _dyn_decode(code, tab, 7, 128, True)
+        return _dyn_decode(code, tab, _K_DYN8S_M, _K_DYN8S_NMAG, True)
     elif CODEC == _K_CODEC_DYN8_UNSIGNED:
-        return _dyn_decode(code, tab, 8, 256, False)
+        return _dyn_decode(code, tab, _K_DYN8U_M, _K_DYN8U_NMAG, False)
     else:
-        return _dyn_decode(code, tab, 3, 8, True)
+        return _dyn_decode(code, tab, _K_DYN4_M, _K_DYN4_NMAG, True)
 
 
 @triton.jit
@@ -330,11 +338,14 @@ def _encode(x, tab, etab, CODEC: tl.constexpr, HW_CAST: tl.constexpr):
     elif CODEC == _K_CODEC_FP8_E4M3:
         return _fp8_encode(x, HW_CAST)
     elif CODEC == _K_CODEC_DYN8_SIGNED:
-        return _dyn_encode(x, tab, etab, 7, 128, True, _K_ENC8S_SHIFT, _K_ENC8S_SIZE, _K_ENC8S_WINDOW)
+        return _dyn_encode(x, tab, etab, _K_DYN8S_M, _K_DYN8S_NMAG, True,
+                           _K_ENC8S_SHIFT, _K_ENC8S_SIZE, _K_ENC8S_WINDOW)
     elif CODEC == _K_CODEC_DYN8_UNSIGNED:
-        return _dyn_encode(x, tab, etab, 8, 256, False, _K_ENC8U_SHIFT, _K_ENC8U_SIZE, _K_ENC8U_WINDOW)
+        return _dyn_encode(x, tab, etab, _K_DYN8U_M, _K_DYN8U_NMAG, False,
+                           _K_ENC8U_SHIFT, _K_ENC8U_SIZE, _K_ENC8U_WINDOW)
     else:
-        return _dyn_encode(x, tab, etab, 3, 8, True, _K_ENC4_SHIFT, _K_ENC4_SIZE, _K_ENC4_WINDOW)
+        return _dyn_encode(x, tab, etab, _K_DYN4_M, _K_DYN4_NMAG, True,
+                           _K_ENC4_SHIFT, _K_ENC4_SIZE, _K_ENC4_WINDOW)
 
 
 @triton.jit
@@ -413,7 +424,8 @@ def _adamw_lowbit_kernel(
     lr_value, inv_bc1, inv_sqrt_bc2, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, wd, skey,
     M_CODEC: tl.constexpr, V_CODEC: tl.constexpr, UPDATE: tl.constexpr,
     DECOUPLED: tl.constexpr, LR_IS_TENSOR: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
-    SR_DENSE: tl.constexpr, SR_IDX32: tl.constexpr, SR_PAIRED: tl.constexpr, HW_CAST: tl.constexpr, QBLOCK: tl.constexpr, NB: tl.constexpr,
+    SR_DENSE: tl.constexpr, SR_IDX32: tl.constexpr, SR_PAIRED: tl.constexpr, HW_CAST: tl.constexpr,
+    QBLOCK: tl.constexpr, NB: tl.constexpr,
 ):
     # Buffers are addressed as base pointer (a kernel argument, so the compiler knows its
     # alignment) + per-tensor element offset from the metadata table (+ hint when ALIGNED):

@@ -142,14 +142,16 @@ def _dyn_tables(codec: int) -> tuple[torch.Tensor, torch.Tensor]:
     mids = ((mags[:-1] + mags[1:]) / 2).float()
     t[TABLE_MID:TABLE_MID + 2**M - 1] = mids
     t[TABLE_MID + 2**M - 1:] = float("inf")
-    size = enc_size(codec)
+    size, window = enc_size(codec), ENC_WINDOW[codec]
+    if window & (window - 1) or window > size:
+        raise AssertionError(f"codec {codec}: the kernel's window must be a power of two <= {size}")
     lower = (torch.arange(size, dtype=torch.int64) << enc_shift(codec)).to(torch.int32).view(torch.float32)
     upper = torch.cat([lower[1:], torch.tensor([2.0])])
     enc = torch.searchsorted(mids, lower, right=False)  # #mids < lower edge
     per_bucket = torch.searchsorted(mids, upper, right=False) - enc
     if int(per_bucket.max()) > 1:
         raise AssertionError(f"codec {codec}: an encode bucket holds {int(per_bucket.max())} midpoints")
-    if int(enc[size - ENC_WINDOW[codec]]) != 0:
+    if int(enc[size - window]) != 0:
         raise AssertionError(f"codec {codec}: a midpoint below the kernel's bucket window")
     return t, torch.nn.functional.pad(enc, (0, ENC_ROW - size)).to(torch.uint8)
 
