@@ -22,9 +22,8 @@ Math, per element, all in fp32 (llm.c style; names as in the code)::
               same for v
     weight:   fp32 param:          p = p_new
               bf16, NEAREST:       p = bf16_rne(p_new)
-              bf16, STOCHASTIC:    p = bf16(truncate(bits(p_new) + r(idx)))
-                                   r(idx) = 16 bits of hash(idx >> 1): low half for even idx, high for odd
-                                   hash(q) = mix32(((lo32(q) ^ tensor_key ^ step_key) + hi32(q) * GOLDEN32))
+              bf16, STOCHASTIC:    p = bf16(truncate(bits(p_new) + (hash(idx) & 0xFFFF)))
+                                   hash(idx) = mix32(((lo32(idx) ^ tensor_key ^ step_key) + hi32(idx) * GOLDEN32))
               bf16, KAHAN:         s = (p_new - p) + c;  p' = bf16_rne(p + s);  c = bf16_rne(s - (p' - p))
               bf16, MASTER:        the math above runs on the fp32 master w; w = p_new; p = bf16_rne(w)
 
@@ -194,42 +193,21 @@ def _mix32(h):
 
 
 @triton.jit
-def _pair_hash(q, key, IDX32: tl.constexpr):
-    """32 random bits of pair q (the global indices 2q and 2q + 1): one mix32 round (the
-    finalizer alone avalanches) of ((lo(q) ^ key) + hi(q) * GOLDEN32), key = tensor_key ^
-    step_key. IDX32: q is a uint32 (every index of the launch is below 2**32, hi = 0)."""
-    if IDX32:
-        return _mix32(q ^ key)
-    lo = (q & 0xFFFFFFFF).to(tl.uint32)
-    hi = (q >> 32).to(tl.uint32)
-    return _mix32((lo ^ key) + hi * _K_GOLDEN32)
-
-
-@triton.jit
-def _bf16_add_truncate(x, r, HW_CAST: tl.constexpr):
-    """bf16 of fp32 x after adding r (< 2**16) below bf16's mantissa; non-finite x: RNE."""
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = ((bits + r) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return tl.where(tl.abs(x) < float("inf"), rounded, _bf16_rne(x, HW_CAST))
-
-
-@triton.jit
 def _bf16_stochastic(x, gidx, key, HW_CAST: tl.constexpr, IDX32: tl.constexpr):
-    """fp32 -> bf16 stochastic rounding of elements with global indices gidx (any layout):
-    the low 16 bits of the pair hash for an even index, the high 16 for an odd one."""
-    h = _pair_hash(gidx >> 1, key, IDX32)
-    r = (h >> ((gidx & 1) << 4).to(tl.uint32)) & 0xFFFF
-    return _bf16_add_truncate(x, r, HW_CAST)
-
-
-@triton.jit
-def _bf16_stochastic_pairs(x, q, key, NB: tl.constexpr, QBLOCK: tl.constexpr,
-                           HW_CAST: tl.constexpr, IDX32: tl.constexpr):
-    """The same rounding of x [NB, QBLOCK] when its elements (2j, 2j + 1) are the global
-    pair q[:, j] (q: [NB, QBLOCK // 2]): one hash for both."""
-    h = _pair_hash(q, key, IDX32)
-    xe, xo = tl.split(tl.reshape(x, [NB, QBLOCK // 2, 2]))
-    return tl.interleave(_bf16_add_truncate(xe, h & 0xFFFF, HW_CAST), _bf16_add_truncate(xo, h >> 16, HW_CAST))
+    """fp32 -> bf16 stochastic rounding: add 16 random bits below bf16's mantissa, truncate.
+    key = tensor_key ^ step_key; one mix32 round per element (the finalizer alone avalanches).
+    IDX32: every global index of the launch is below 2**32 and gidx is its uint32 (hi = 0,
+    so the hash is the same function with fewer instructions)."""
+    if IDX32:
+        h = _mix32(gidx ^ key)
+    else:
+        lo = (gidx & 0xFFFFFFFF).to(tl.uint32)
+        hi = (gidx >> 32).to(tl.uint32)
+        h = _mix32((lo ^ key) + hi * _K_GOLDEN32)
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = ((bits + (h & 0xFFFF)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    finite = tl.abs(x) < float("inf")
+    return tl.where(finite, rounded, _bf16_rne(x, HW_CAST))
 
 
 @triton.jit
@@ -424,7 +402,7 @@ def _adamw_lowbit_kernel(
     lr_value, inv_bc1, inv_sqrt_bc2, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, wd, skey,
     M_CODEC: tl.constexpr, V_CODEC: tl.constexpr, UPDATE: tl.constexpr,
     DECOUPLED: tl.constexpr, LR_IS_TENSOR: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
-    SR_DENSE: tl.constexpr, SR_IDX32: tl.constexpr, SR_PAIRED: tl.constexpr, HW_CAST: tl.constexpr,
+    SR_DENSE: tl.constexpr, SR_IDX32: tl.constexpr, HW_CAST: tl.constexpr,
     QBLOCK: tl.constexpr, NB: tl.constexpr,
 ):
     # Buffers are addressed as base pointer (a kernel argument, so the compiler knows its
@@ -539,13 +517,8 @@ def _adamw_lowbit_kernel(
             g_start = sr_base + srow.to(tl.int64) * tl.load(meta + _K_META_SR_ROW) + (bidx - srow * bpr) * QBLOCK
         if SR_IDX32:
             g_start = g_start.to(tl.uint32)
-        if SR_PAIRED:
-            # every block starts at an even global index: (2j, 2j + 1) is a global pair
-            q = (g_start >> 1)[:, None] + tl.arange(0, QBLOCK // 2)[None, :].to(g_start.dtype)
-            p_out = _bf16_stochastic_pairs(p_new, q, key, NB, QBLOCK, HW_CAST, SR_IDX32)
-        else:
-            gidx = g_start[:, None] + lane.to(g_start.dtype)
-            p_out = _bf16_stochastic(p_new, gidx, key, HW_CAST, SR_IDX32)
+        gidx = g_start[:, None] + lane.to(g_start.dtype)
+        p_out = _bf16_stochastic(p_new, gidx, key, HW_CAST, SR_IDX32)
         _st(pptr, p_out, emask, EVEN)
     elif UPDATE == _K_UPDATE_KAHAN:
         c = _ld(xptr, emask, EVEN).to(tl.float32)
@@ -680,9 +653,6 @@ class FusedAdamW:
         self.even = all(self.is_even(cfg, t, self.nb) for t in tensors)
         self.sr_dense = all(t.sr_row_stride == t.cols or t.rows == 1 for t in tensors)
         self.sr_idx32 = all(t.sr_base + (t.rows - 1) * t.sr_row_stride + t.cols <= 2**32 for t in tensors)
-        # every block starts at an even global index (so one hash serves each pair)
-        self.sr_paired = all(t.sr_base % 2 == 0 and t.cols % 2 == 0 and (t.rows == 1 or t.sr_row_stride % 2 == 0)
-                             for t in tensors)
         self.meta = meta.to(self.device)
         self.tiles = torch.cat(tiles).to(self.device)
         self.n_programs = self.tiles.numel()
@@ -761,6 +731,6 @@ class FusedAdamW:
             M_CODEC=cfg.m_codec, V_CODEC=cfg.v_codec, UPDATE=cfg.weight_update,
             DECOUPLED=cfg.decoupled, LR_IS_TENSOR=lr_is_tensor,
             ALIGNED=self.aligned, EVEN=self.even, SR_DENSE=self.sr_dense, SR_IDX32=self.sr_idx32,
-            SR_PAIRED=self.sr_paired, HW_CAST=not interpreting(), QBLOCK=cfg.block, NB=self.nb,
+            HW_CAST=not interpreting(), QBLOCK=cfg.block, NB=self.nb,
             num_warps=self.num_warps,
         )

@@ -97,20 +97,17 @@ def mix32(h: torch.Tensor) -> torch.Tensor:
 
 
 def stochastic_bits(gidx: torch.Tensor, tkey: int, skey: int) -> torch.Tensor:
-    """The 16 random bits of element ``gidx`` (int64 global index) for a tensor/step key:
-    one half of its pair's hash ``mix32(((lo ^ tkey ^ skey) + hi * GOLDEN32) mod 2**32)``,
-    lo/hi the 32-bit halves of the pair index ``gidx >> 1``; the low half for an even
-    ``gidx``, the high half for an odd one (one hash serves two neighbours)."""
-    q = gidx >> 1
-    h = (q & MASK32) ^ (tkey ^ skey)
-    if q.numel() and int(q.max()) >> 32:  # pair indices past 2**32: add hi * GOLDEN32
-        h = (h + _mul32((q >> 32) & MASK32, GOLDEN32)) & MASK32
-    return (mix32(h) >> ((gidx & 1) * 16)) & 0xFFFF
+    """The 32 random bits of element ``gidx`` (int64 global index) for a tensor/step key:
+    ``mix32(((lo ^ tkey ^ skey) + hi * GOLDEN32) mod 2**32)``."""
+    h = (gidx & MASK32) ^ (tkey ^ skey)
+    if gidx.numel() and int(gidx.max()) >> 32:  # indices past 2**32: add hi * GOLDEN32
+        h = (h + _mul32((gidx >> 32) & MASK32, GOLDEN32)) & MASK32
+    return mix32(h)
 
 
 def bf16_stochastic(x: torch.Tensor, gidx: torch.Tensor, tkey: int, skey: int) -> torch.Tensor:
     """fp32 -> bf16 stochastic rounding (twin of ``_bf16_stochastic``)."""
-    r = stochastic_bits(gidx, tkey, skey).to(torch.int32)
+    r = (stochastic_bits(gidx, tkey, skey) & 0xFFFF).to(torch.int32)
     # int32 arithmetic on the float's bits: adding r < 2**16 to a finite float's pattern
     # never carries past bit 31, and the arithmetic shift keeps the top 16 bits' pattern
     rounded = ((_f32_bits(x) + r) >> 16).to(torch.int16).view(torch.bfloat16)

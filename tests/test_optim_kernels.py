@@ -59,8 +59,7 @@ def _spread(x, gen, spread):
     return x * 10.0 ** (-spread * torch.rand(x.shape, generator=gen)) if spread else x
 
 
-def _make(cfg, shape, gen, small_block_quant=True, sr_dense=False, spread=0.0, sr_below_2_32=False,
-          sr_even=False):
+def _make(cfg, shape, gen, small_block_quant=True, sr_dense=False, spread=0.0, sr_below_2_32=False):
     rows = 1 if len(shape) == 1 else int(torch.tensor(shape[:-1]).prod())
     cols = shape[-1]
     p = torch.randn(shape, generator=gen).to(cfg.param_dtype)
@@ -81,13 +80,11 @@ def _make(cfg, shape, gen, small_block_quant=True, sr_dense=False, spread=0.0, s
     elif cfg.param_dtype == torch.bfloat16 and cfg.weight_update == K.UPDATE_KAHAN:
         extra = (torch.randn(shape, generator=gen) * 1e-3).to(torch.bfloat16)
     mv = lambda x: None if x is None else x.to(DEV)  # noqa: E731
-    stride = cols if sr_dense else cols + (4 if sr_even else 3)
+    stride = cols if sr_dense else cols + 3
     # sr_below_2_32: the tensor's last global index is 2**32 - 1 (the kernel's 32-bit
     # index path; lo reaches 0xFFFFFFFF); otherwise anywhere below 2**40 (64-bit path)
     sr_base = (2**32 - (rows - 1) * stride - cols if sr_below_2_32
                else int(torch.randint(0, 2**40, (1,), generator=gen)))
-    if sr_even:  # every block then starts at an even global index (the kernel's SR_PAIRED)
-        sr_base -= sr_base % 2
     return K.AdamWTensor(mv(p), mv(m), mv(v), mv(ms), mv(vs), mv(extra), rows, cols,
                          sr_base=sr_base, sr_row_stride=stride,
                          sr_key=int(torch.randint(0, 2**32, (1,), generator=gen)))
@@ -115,19 +112,18 @@ def _compare_codes(name, a, b, codec):
 
 
 def _run(fmt, pdtype, update, decoupled=True, lr_tensor=False, grad_dtype=None, seed=0, elems=512,
-         sr_dense=False, spread=0.0, sr_below_2_32=False, shapes=SHAPES, sr_even=False):
+         sr_dense=False, spread=0.0, sr_below_2_32=False):
     mc, vc, block = FORMATS[fmt]
     cfg = K.AdamWConfig(mc, vc, fmt == "bf16", block, update, decoupled, pdtype, grad_dtype or pdtype)
     gen = torch.Generator().manual_seed(seed)
-    ts = [_make(cfg, s, gen, sr_dense=sr_dense, spread=spread, sr_below_2_32=sr_below_2_32, sr_even=sr_even)
-          for s in shapes]
+    ts = [_make(cfg, s, gen, sr_dense=sr_dense, spread=spread, sr_below_2_32=sr_below_2_32) for s in SHAPES]
     grads = [_spread(torch.randn(t.param.shape, generator=gen), gen, spread).to(cfg.grad_dtype).to(DEV)
              for t in ts]
     ref = [_clone(t) for t in ts]
     lr = torch.tensor(3e-3, device=DEV) if lr_tensor else 3e-3
     hyper = K.AdamWHyper(lr=lr, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=5)
     plan = K.FusedAdamW(cfg, ts, elems_per_program=elems, num_warps=4)
-    assert plan.sr_idx32 == sr_below_2_32 and plan.sr_paired == sr_even
+    assert plan.sr_idx32 == sr_below_2_32
     plan.step(grads, hyper)
     R.adamw_step_reference(cfg, ref, grads, hyper)
     for a, b in zip(ts, ref):
@@ -209,16 +205,6 @@ def test_stochastic_rounding_with_32_bit_global_indices(sr_dense):
     """When every global index of a launch is below 2**32 the kernel hashes a uint32 index
     (SR_IDX32): the same bits as the 64-bit formula, up to the last index 2**32 - 1."""
     _run("8bit", torch.bfloat16, K.UPDATE_STOCHASTIC, seed=7, sr_dense=sr_dense, sr_below_2_32=True)
-
-
-@pytest.mark.parametrize("sr_dense", [False, True])
-@pytest.mark.parametrize("below_2_32", [False, True])
-def test_stochastic_rounding_one_hash_per_pair(sr_dense, below_2_32):
-    """When every block starts at an even global index (even columns and bases) the kernel
-    hashes each pair of neighbours once (SR_PAIRED): the same bits as one element at a time."""
-    shapes = [(3, 300), (258,), (5, 34), (2, 3, 64), (8,), (4, 512), (1, 130)]
-    _run("8bit", torch.bfloat16, K.UPDATE_STOCHASTIC, seed=8, sr_dense=sr_dense, shapes=shapes, sr_even=True,
-         sr_below_2_32=below_2_32)
 
 
 def test_hash_matches_host_definition():
