@@ -77,6 +77,12 @@ def row_absmax(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x, float("inf"), dim=1, dtype=torch.float32)
 
 
+def weight_abs_sum(w: torch.Tensor) -> torch.Tensor:
+    """sum |W| over all elements of ``w``, fp32 0-d (the abs-mean scale's numerator; a
+    shard's local sum before the all-reduce over its shards)."""
+    return torch.linalg.vector_norm(w.detach(), 1, dtype=torch.float32)
+
+
 def _check_row_amax(amax: torch.Tensor | None, x: torch.Tensor) -> None:
     if amax is not None and (amax.dtype != torch.float32 or tuple(amax.shape) != (x.shape[0],)
                              or amax.device != x.device or not amax.is_contiguous()):
@@ -244,7 +250,7 @@ def absmean_scale_reference(w: torch.Tensor, abs_sum: torch.Tensor | None = None
     global element count instead of this tensor's own.
     """
     if abs_sum is None:
-        abs_sum = torch.linalg.vector_norm(w, 1, dtype=torch.float32)
+        abs_sum = weight_abs_sum(w)
     n = w.numel() if numel is None else numel
     abs_sum = abs_sum.float()
     # Tensor / tensor: an IEEE division (by fp32(n)) on every device, as the kernels do.

@@ -82,7 +82,7 @@ def _ternarize_from_sum(w: torch.Tensor, abs_sum: torch.Tensor, numel: int,
 
 def _quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Ternary codes (int8) and abs-mean scale (fp32, 0-d) of an unsharded 2-D weight."""
-    abs_sum = torch.linalg.vector_norm(w, 1, dtype=torch.float32)
+    abs_sum = _q.weight_abs_sum(w)
     return _ternarize_from_sum(w, abs_sum, w.numel(), pack=False)
 
 

@@ -38,6 +38,7 @@ from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from titan_lowbit.bitnet import ops
+from titan_lowbit.kernels.bitnet_quant import weight_abs_sum
 from titan_lowbit.bitnet.weight import (
     BitNetTernaryWeight,
     BitNetTrainingWeight,
@@ -96,7 +97,7 @@ def _weight_codes(module: nn.Module, weight: DTensor, group,
     if isinstance(local, BitNetTrainingWeight):  # TP only: the latent shard is here
         abs_sum = local._precomputed_abs_sum
         if abs_sum is None:
-            abs_sum = torch.linalg.vector_norm(local._data.detach(), 1, dtype=torch.float32)
+            abs_sum = weight_abs_sum(local._data)
             if sharded:
                 abs_sum = funcol.wait_tensor(funcol.all_reduce(abs_sum, "sum", group))
         numel = module.in_features * module.out_features

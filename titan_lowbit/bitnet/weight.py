@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from titan_lowbit.bitnet import ops
-from titan_lowbit.kernels.bitnet_quant import check_float_input
+from titan_lowbit.kernels.bitnet_quant import check_float_input, weight_abs_sum
 
 aten = torch.ops.aten
 
@@ -162,7 +162,7 @@ class BitNetTrainingWeight(_RoutesLinear):
             else outer_size.numel()
         abs_sum = self._precomputed_abs_sum
         if abs_sum is None:
-            abs_sum = torch.linalg.vector_norm(self._data, 1, dtype=torch.float32)
+            abs_sum = weight_abs_sum(self._data)
             if world > 1:
                 dist.all_reduce(abs_sum, group=_shard_group(mesh))
             tp_group = getattr(module, "bitnet_tp_group", None)
