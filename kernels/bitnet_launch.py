@@ -17,6 +17,11 @@ directly with the same arguments Triton would pass it (all parameters in order, 
 constexpr values included), on the current device's current stream, with Triton's launch
 hooks when any are installed (profilers).
 
+Inside a torch.compile graph (the ``torch.library.triton_op`` operators of
+``titan_lowbit.bitnet.ops``) a wrapper is called with ``traced=True`` and records the
+launch with ``torch.library.wrap_triton`` instead: Inductor then compiles the kernel and
+launches it from its generated code, with no Python of ours left per step.
+
 Under TRITON_INTERPRET=1 the kernels are interpreted functions with nothing compiled to
 keep: every launch goes through Triton. ``TITAN_LOWBIT_FAST_LAUNCH=0`` sends every
 launch through Triton on the GPU as well (for comparisons; same kernels, same results).
@@ -153,9 +158,12 @@ class FastKernel:
 
     # -- the common case ----------------------------------------------------------------
 
-    def __call__(self, grid: tuple, args: tuple, **meta) -> None:
+    def __call__(self, grid: tuple, args: tuple, traced: bool = False, **meta) -> None:
         """``kernel[grid](*args, **meta)``, from the cache after the first launch of a
-        specialization."""
+        specialization; ``traced``: record the launch in the graph being compiled."""
+        if traced:
+            record_launch(self.kernel, grid, args, meta)
+            return
         if not self.enabled:
             self.kernel[grid](*args, **meta)
             return
@@ -168,3 +176,12 @@ class FastKernel:
             raise TypeError(f"FastKernel: {self.jit.__name__} takes {self._n_runtime} "
                             f"runtime arguments, got {len(args)}")
         self.remember(key, self.kernel[grid](*args, **meta), meta)
+
+
+def record_launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
+    """Record ``kernel[grid](*args, **meta)`` in the graph that torch.compile is building
+    (inside a ``torch.library.triton_op``); Inductor compiles and launches it itself.
+    ``meta`` may hold launch options (num_warps, num_stages) next to constexpr values."""
+    from torch.library import wrap_triton
+
+    wrap_triton(kernel)[grid](*args, **meta)

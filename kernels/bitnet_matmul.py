@@ -18,6 +18,14 @@ dx = dy^ W (a = dy codes, b = W codes transposed).
 The first call of each shape autotunes through Triton's autotuner; later calls launch the
 chosen tile's compiled kernel directly (``bitnet_launch.FastKernel``), building the TMA
 descriptors with that tile's box instead of running the autotuner's pre-hook.
+
+Inside a torch.compile graph (``traced=True``) the launch is recorded for Inductor: the
+pointer variant, with the tile the eager autotuner picks for the same shape, timed once
+per shape while the graph is traced (on scratch operands of that shape). Not the TMA
+variant: a host-side tensor descriptor built inside a ``triton_op`` reaches torch's
+kernel analysis as a descriptor over a fake tensor, which torch 2.11 cannot handle (it
+then assumes every input mutated and fails on the launch), and Inductor cannot run the
+autotuner's pre-hook that sizes a descriptor's box per config.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .bitnet_launch import FastKernel, arg_key
+from .bitnet_launch import FastKernel, arg_key, record_launch
 from .bitnet_launch import cdiv as _cdiv
 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -188,17 +196,51 @@ class _CheckedDescriptor(TensorDescriptor):
 
 _POINTER = FastKernel(_int8_matmul_kernel)
 _TMA = FastKernel(_int8_matmul_tma_kernel)
+# (use_tma, M, N, K, a row stride, b row stride, out dtype) -> the autotuner's chosen
+# Config, recorded by every autotuning launch (the traced path reads it).
+_TUNED: dict[tuple, triton.Config] = {}
+
+
+def _traced_tile(M: int, N: int, K: int, stride_a: int, stride_b: int,
+                 out_dtype: torch.dtype, device: torch.device) -> triton.Config:
+    """The pointer variant's tile the autotuner picks for this shape, timing it now on
+    scratch operands if no eager launch of the shape has (while torch.compile traces)."""
+    key = (False, M, N, K, stride_a, stride_b, out_dtype)
+    if key not in _TUNED:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():  # real tensors, outside the tracing modes
+            gen = torch.Generator(device=device).manual_seed(0)
+            a = torch.randint(-127, 128, (M, stride_a), dtype=torch.int8, device=device,
+                              generator=gen)[:, :K]
+            b = torch.randint(-1, 2, (N, stride_b), dtype=torch.int8, device=device,
+                              generator=gen)[:, :K]
+            scale = torch.ones(M, dtype=torch.float32, device=device)
+            int8_matmul_scaled(a, b, scale, scale[0], out_dtype, impl="pointer")
+    return _TUNED[key]
+
+
+def _launch_traced(a, b, a_scale, b_scale, out, M, N, K):
+    """Record the pointer variant's launch in the graph torch.compile builds, with the
+    autotuned tile (module docstring)."""
+    cfg = _traced_tile(M, N, K, a.stride(0), b.stride(0), out.dtype, a.device)
+    meta = dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid = (_cdiv(M, cfg.kwargs["BLOCK_M"]) * _cdiv(N, cfg.kwargs["BLOCK_N"]),)
+    args = (a, b, a_scale, b_scale, out, M, N, K, a.stride(0), b.stride(0), N)
+    record_launch(_int8_matmul_kernel.fn, grid, args, meta)
 
 
 def int8_matmul_scaled(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
                        b_scale: torch.Tensor, out_dtype: torch.dtype,
-                       impl: str = "auto") -> torch.Tensor:
+                       impl: str = "auto", traced: bool = False) -> torch.Tensor:
     """(a @ b.T) * a_scale[:, None] * b_scale on int8 tensor cores, written in out_dtype.
 
     impl: "tma" (Hopper tensor-descriptor loads), "pointer" (cp.async loads, any
     alignment) or "auto" (TMA where the operands allow it). Both compute the same sums.
     After the first call of each shape (which autotunes), launches skip Triton's
     autotuner and launch preparation (``bitnet_launch.FastKernel``).
+    ``traced``: record the launch in the graph torch.compile builds (the pointer variant
+    with the tile the autotuner picks for the shape).
     """
     _check(a, b, a_scale, b_scale, out_dtype)
     if impl == "auto":
@@ -220,6 +262,11 @@ def int8_matmul_scaled(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
         return out
     if K == 0:
         return out.zero_()
+    if traced:
+        if impl != "auto":
+            raise ValueError("BitNet int8 matmul: a traced launch picks its variant (impl='auto')")
+        _launch_traced(a, b, a_scale, b_scale, out, M, N, K)
+        return out
     tma_ok = _tma_ok(a, b)
     if use_tma is None:
         use_tma = tma_ok
@@ -256,7 +303,9 @@ def int8_matmul_scaled(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
     else:
         args = tail
     compiled = kernel.kernel[grid](*args)
-    best = kernel.kernel.best_config.kwargs
+    best_config = kernel.kernel.best_config
+    _TUNED[(use_tma, M, N, K, a.stride(0), b.stride(0), out_dtype)] = best_config
+    best = best_config.kwargs
     kernel.remember(key, compiled, best, config=(best["BLOCK_M"], best["BLOCK_N"], best["BLOCK_K"]))
     return out
 

@@ -151,8 +151,8 @@ def _quantize_tiles(K: int, block_k: int | None) -> tuple[int, int, bool, int]:
 _QUANTIZE_ROWS = FastKernel(_quantize_rows_kernel)
 
 
-def quantize_rows(x: torch.Tensor, block_k: int | None = None,
-                  amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, block_k: int | None = None, amax: torch.Tensor | None = None,
+                  traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise abs-max int8 quantization of a 2-D tensor in one fused kernel.
 
     Returns (q int8 [M, K], scale fp32 [M]) with x ~= q * scale[:, None]. One read of x
@@ -160,6 +160,7 @@ def quantize_rows(x: torch.Tensor, block_k: int | None = None,
     ``amax`` (fp32 [M]) gives each row's abs-max instead (a row sharded over tensor-
     parallel ranks is quantized with the max over all its shards, as if unsharded).
     ``block_k`` forces the column tile (tests use it to exercise the two-pass path).
+    ``traced``: record the launch in the graph torch.compile builds (``bitnet_launch``).
     """
     _check_2d("quantize_rows input", x)
     check_float_input("quantize_rows input", x)
@@ -175,7 +176,7 @@ def quantize_rows(x: torch.Tensor, block_k: int | None = None,
     _QUANTIZE_ROWS(
         (_cdiv(M, block_m),), (x, q, scale, scale if amax is None else amax, M, K, x.stride(0), K),
         EPS_C=EPS, QMAX_C=float(QMAX), BLOCK_M=block_m, BLOCK_K=block_k,
-        SINGLE_PASS=single, AMAX_GIVEN=amax is not None, num_warps=num_warps,
+        SINGLE_PASS=single, AMAX_GIVEN=amax is not None, num_warps=num_warps, traced=traced,
     )
     return q, scale
 
@@ -215,8 +216,10 @@ def _dequantize_rows_kernel(
 _DEQUANTIZE_ROWS = FastKernel(_dequantize_rows_kernel)
 
 
-def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """out[m, k] = q[m, k] * scale[m], rounded once to ``dtype`` (the saved activation x^)."""
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                    traced: bool = False) -> torch.Tensor:
+    """out[m, k] = q[m, k] * scale[m], rounded once to ``dtype`` (the saved activation x^).
+    ``traced``: record the launch in the graph torch.compile builds."""
     _check_2d("dequantize_rows codes", q)
     if dtype not in SUPPORTED_FLOAT_DTYPES:
         raise TypeError(f"BitNet: dequantize_rows cannot produce dtype {dtype}")
@@ -228,7 +231,7 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
         return out
     block_m, block_k = 8, 512
     _DEQUANTIZE_ROWS((_cdiv(M, block_m), _cdiv(K, block_k)), (q, scale, out, M, K, q.stride(0), K),
-                     BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4)
+                     BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4, traced=traced)
     return out
 
 
@@ -271,7 +274,9 @@ def _ternarize_kernel(
     row_ok = (rows < R)[:, None]
     r64 = rows.to(tl.int64)[:, None]
     if FROM_SUM:
-        g = tl.maximum(tl.math.div_rn(tl.load(scale_ptr), numel), EPS_C)
+        # numel arrives as fp32 from Triton's launcher, as fp64 from Inductor's: the same
+        # fp32(numel) either way.
+        g = tl.maximum(tl.math.div_rn(tl.load(scale_ptr), tl.cast(numel, tl.float32)), EPS_C)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             tl.store(scale_out_ptr, g)
     else:
@@ -309,7 +314,8 @@ def _check_scale_input(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
         )
 
 
-def _ternarize_launch(w, scale_in, scale_out, numel: float, pack: bool, from_sum: bool):
+def _ternarize_launch(w, scale_in, scale_out, numel: float, pack: bool, from_sum: bool,
+                      traced: bool = False):
     if w.stride(1) != 1:
         w = w.contiguous()
     R, C = w.shape
@@ -323,7 +329,7 @@ def _ternarize_launch(w, scale_in, scale_out, numel: float, pack: bool, from_sum
     _TERNARIZE((_cdiv(R, block_r), _cdiv(out_cols, block_c)),
                (w, scale_in, out, scale_out, numel, R, C, w.stride(0), out_cols),
                PACK=pack, FROM_SUM=from_sum, EPS_C=EPS, BLOCK_R=block_r, BLOCK_C=block_c,
-               num_warps=4)
+               num_warps=4, traced=traced)
     return out
 
 
@@ -339,20 +345,21 @@ def ternarize(w: torch.Tensor, scale: torch.Tensor, pack: bool = False) -> torch
     return _ternarize_launch(w, scale, scale, 1.0, pack, False)
 
 
-def ternarize_from_sum(w: torch.Tensor, abs_sum: torch.Tensor, numel: int,
-                       pack: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def ternarize_from_sum(w: torch.Tensor, abs_sum: torch.Tensor, numel: int, pack: bool = False,
+                       traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Ternary codes of a 2-D weight and its abs-mean scale from ``abs_sum`` = sum |W|, in
     one kernel: (codes as ``ternarize`` returns them, g = max(abs_sum / numel, EPS)).
 
     ``abs_sum`` (fp32, one element) and ``numel`` cover the whole weight: under FSDP the
     all-reduced sum and the global element count. The scale is the one
     ``absmean_scale_reference(w, abs_sum, numel)`` computes (an IEEE division by fp32(numel)).
+    ``traced``: record the launch in the graph torch.compile builds.
     """
     _check_2d("ternarize weight", w)
     check_float_input("ternarize weight", w)
     _check_scale_input("the abs-sum of the weight", abs_sum, w)
     scale = torch.empty((), dtype=torch.float32, device=w.device)
-    return _ternarize_launch(w, abs_sum, scale, float(numel), pack, True), scale
+    return _ternarize_launch(w, abs_sum, scale, float(numel), pack, True, traced), scale
 
 
 def ternarize_reference(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -167,6 +167,46 @@ def _linear_rows(tokens, k, n, dev, ceil, with_torchao):
     return row
 
 
+CHAIN = 8
+
+
+def _compiled_chain_host_us(k, n, dev, tokens, per_call_us) -> dict:
+    from titan_lowbit.bitnet import BitNetTernaryWeight, BitNetTrainingWeight
+    from titan_lowbit.kernels import bitnet_quant as bq
+
+    x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    shapes = [(n, k) if i % 2 == 0 else (k, n) for i in range(CHAIN)]
+    latent = [(torch.randn(*s, device=dev) * s[1] ** -0.5).to(torch.bfloat16) for s in shapes]
+
+    def ternary(w):
+        g = bq.absmean_scale_reference(w)
+        return BitNetTernaryWeight(bq.ternarize(w, g), g, torch.bfloat16).requires_grad_()
+
+    kinds = {
+        "bf16": [w.clone().requires_grad_() for w in latent],
+        "bitnet": [ternary(w) for w in latent],
+        "bitnet_wq": [nn.Parameter(BitNetTrainingWeight(w.clone())) for w in latent],
+    }
+
+    def chain(h, ws):
+        for w in ws:
+            h = F.linear(h, w)
+        return h
+
+    out = {}
+    for name, ws in kinds.items():
+        torch._dynamo.reset()
+        compiled = torch.compile(chain, fullgraph=True)
+
+        def step(ws=ws, compiled=compiled):
+            compiled(x, ws).float().sum().backward()
+            x.grad = None
+            for w in ws:
+                w.grad = None
+        out[f"compiled_{name}_host_us_per_linear"] = per_call_us(step) / CHAIN
+    return out
+
+
 def host_overhead(k, n, dev, tokens=16, iters=200) -> dict:
     """Host time per forward+backward of one layer: wall time per iteration at a token
     count small enough that the GPU idles, with one synchronization at the end. When a
@@ -199,6 +239,10 @@ def host_overhead(k, n, dev, tokens=16, iters=200) -> dict:
             F.linear(x, weight).backward(dy)
             x.grad = weight.grad = None
         out[f"{name}_host_us"] = per_call_us(layer)
+    # Under torch.compile (Inductor), as torchtitan's compile.enable runs a block: a chain
+    # of CHAIN linears alternating k -> n and n -> k in one compiled graph, host time per
+    # linear (a graph's fixed cost is shared by its layers, as in a transformer block).
+    out.update(_compiled_chain_host_us(k, n, dev, tokens, per_call_us))
     # The pieces of one BitNet layer, each alone: which launches cost the host time.
     from titan_lowbit.bitnet import ops
     from titan_lowbit.kernels import bitnet_matmul as mm

@@ -1,10 +1,21 @@
 """BitNet b1.58 linear: custom ops over the kernels, and the straight-through autograd.
 
-The kernels run inside ``torch.library`` operators with fake (meta) kernels (weight
-quantization, of a whole weight or of a tensor-parallel shard, forward, backward), so
-torch.compile sees opaque nodes instead of tracing into Triton launch code, and the ops
-run on CUDA through the Triton kernels and on every other device through the
-pure-PyTorch references of the same math (the design's CPU path).
+The kernels run inside ``torch.library`` operators (weight quantization, of a whole
+weight or of a tensor-parallel shard, forward, backward), on CUDA through the Triton
+kernels and on every other device through the pure-PyTorch references of the same math
+(the design's CPU path). Each operator exists twice, with the same implementation:
+
+- eager: a plain ``torch.library.Library`` operator with a fake kernel, launching through
+  ``bitnet_launch.FastKernel`` (the least host time per call outside a compiled graph);
+- compiled: a ``torch.library.triton_op``, which torch.compile decomposes into its torch
+  ops and ``wrap_triton`` kernel launches, so Inductor allocates the buffers, fuses the
+  torch ops around the kernels and launches the kernels from its generated code. A
+  compiled BitNet layer then costs no Python of ours per step; with the eager operators
+  inside a compiled graph every call re-entered Python (about 1 ms of host time per layer
+  per step on the H100 machine, more than the GPU time BitNet saves at 1B scale).
+
+The public functions below (``quantize_weight``, ``linear_forward``, ...) pick the
+compiled operators while torch.compile traces (``_compiling``).
 
 Forward of ``y = x W^T + b`` (x: [..., K], W: [N, K]):
     x codes, s_x = row-wise abs-max int8 of x            (one fused kernel)
@@ -21,8 +32,11 @@ instead of 2 for bf16 activations).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed._functional_collectives as funcol
+from torch._subclasses.fake_tensor import is_fake
 
 from titan_lowbit.kernels import bitnet_matmul as _mm
 from titan_lowbit.kernels import bitnet_quant as _q
@@ -35,19 +49,23 @@ def _on_gpu(t: torch.Tensor) -> bool:
 
 
 # Device dispatch: Triton kernels on CUDA, references of the same math elsewhere.
-def _quantize_rows(x, amax=None):
+# ``traced``: record the kernel launches for Inductor (inside the compiled operators).
+def _quantize_rows(x, amax=None, traced=False):
     if _on_gpu(x):
-        return _q.quantize_rows(x, amax=amax)
+        return _q.quantize_rows(x, amax=amax, traced=traced)
     return _q.quantize_rows_reference(x, amax)
 
 
-def _dequantize_rows(q, scale, dtype):
-    return (_q.dequantize_rows if _on_gpu(q) else _q.dequantize_rows_reference)(q, scale, dtype)
+def _dequantize_rows(q, scale, dtype, traced=False):
+    if _on_gpu(q):
+        return _q.dequantize_rows(q, scale, dtype, traced=traced)
+    return _q.dequantize_rows_reference(q, scale, dtype)
 
 
-def _int8_mm(a, b, a_scale, b_scale, out_dtype):
-    fn = _mm.int8_matmul_scaled if _on_gpu(a) else _mm.int8_matmul_scaled_reference
-    return fn(a, b, a_scale, b_scale, out_dtype)
+def _int8_mm(a, b, a_scale, b_scale, out_dtype, traced=False):
+    if _on_gpu(a):
+        return _mm.int8_matmul_scaled(a, b, a_scale, b_scale, out_dtype, traced=traced)
+    return _mm.int8_matmul_scaled_reference(a, b, a_scale, b_scale, out_dtype)
 
 
 # Three coarse operators per layer (weight quantization, forward, backward) rather than
@@ -69,87 +87,77 @@ def _define(schema: str, impl, fake):
 
 
 def _ternarize_from_sum(w: torch.Tensor, abs_sum: torch.Tensor, numel: int,
-                        pack: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                        pack: bool, traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(ternary codes, packed four per byte if ``pack``, and g = max(abs_sum / numel, EPS))
     of a 2-D weight: one kernel on CUDA that derives g and ternarizes, the references
     elsewhere."""
     if _on_gpu(w):
-        return _q.ternarize_from_sum(w, abs_sum, numel, pack=pack)
+        return _q.ternarize_from_sum(w, abs_sum, numel, pack=pack, traced=traced)
     scale = _q.absmean_scale_reference(w, abs_sum, numel)
     codes = _q.ternarize_reference(w, scale)
     return (_q.pack_ternary_reference(codes) if pack else codes), scale
 
 
-def _quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+# The implementations, shared by the eager and the compiled operators.
+
+def _quantize_weight(w: torch.Tensor, traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Ternary codes (int8) and abs-mean scale (fp32, 0-d) of an unsharded 2-D weight."""
     abs_sum = _q.weight_abs_sum(w)
-    return _ternarize_from_sum(w, abs_sum, w.numel(), pack=False)
+    return _ternarize_from_sum(w, abs_sum, w.numel(), pack=False, traced=traced)
 
+
+def _quantize_weight_shard(w: torch.Tensor, abs_sum: torch.Tensor, numel: int,
+                           traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ternary codes and scale of one shard of a weight, from the whole weight's sum |W|
+    (all-reduced over the shards) and element count (tensor parallelism)."""
+    return _ternarize_from_sum(w, abs_sum, numel, pack=False, traced=traced)
+
+
+def _linear_forward(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
+                    x_amax: torch.Tensor | None,
+                    traced: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """y = (x codes @ W codes^T) * s_x * g for 2-D x; also returns x's codes and row scales.
+    ``x_amax``: the rows' abs-max when x is a shard of its rows (else computed from x)."""
+    x_codes, x_scale = _quantize_rows(x, x_amax, traced)
+    return _int8_mm(x_codes, w_codes, x_scale, w_scale, x.dtype, traced), x_codes, x_scale
+
+
+def _linear_backward(dy: torch.Tensor, x_codes: torch.Tensor, x_scale: torch.Tensor,
+                     w_codes: torch.Tensor, w_scale: torch.Tensor, dy_amax: torch.Tensor | None,
+                     int8_backward: bool, need_dx: bool, need_dw: bool,
+                     dw_dtype: torch.dtype, traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dW) of the straight-through BitNet linear for 2-D dy; an empty tensor stands
+    for a gradient that is not needed. ``dy_amax``: the rows' abs-max when dy is a shard
+    of its rows (else computed from dy)."""
+    if need_dx:
+        if int8_backward:
+            dy_codes, dy_scale = _quantize_rows(dy, dy_amax, traced)
+            # K-major copy of the ternary weight for the int8 tensor cores ([K, N]).
+            dx = _int8_mm(dy_codes, w_codes.t().contiguous(), dy_scale, w_scale, dy.dtype, traced)
+        else:
+            dx = torch.mm(dy, (w_codes.to(torch.float32) * w_scale).to(dy.dtype))
+    else:
+        dx = dy.new_empty((0,))
+    if need_dw:
+        dw = torch.mm(dy.t(), _dequantize_rows(x_codes, x_scale, dy.dtype, traced)).to(dw_dtype)
+    else:
+        dw = dy.new_empty((0,))
+    return dx, dw
+
+
+# Eager operators: plain Library definitions with fake kernels.
 
 def _quantize_weight_fake(w):
     return w.new_empty(w.shape, dtype=torch.int8), w.new_empty((), dtype=torch.float32)
-
-
-quantize_weight = _define("bitnet_quantize_weight(Tensor w) -> (Tensor, Tensor)",
-                          _quantize_weight, _quantize_weight_fake)
-
-
-def _quantize_weight_shard(w: torch.Tensor, abs_sum: torch.Tensor,
-                           numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ternary codes and scale of one shard of a weight, from the whole weight's sum |W|
-    (all-reduced over the shards) and element count (tensor parallelism)."""
-    return _ternarize_from_sum(w, abs_sum, numel, pack=False)
 
 
 def _quantize_weight_shard_fake(w, abs_sum, numel):
     return _quantize_weight_fake(w)
 
 
-quantize_weight_shard = _define(
-    "bitnet_quantize_weight_shard(Tensor w, Tensor abs_sum, int numel) -> (Tensor, Tensor)",
-    _quantize_weight_shard, _quantize_weight_shard_fake)
-
-
-def _linear_forward(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
-                    x_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """y = (x codes @ W codes^T) * s_x * g for 2-D x; also returns x's codes and row scales.
-    ``x_amax``: the rows' abs-max when x is a shard of its rows (else computed from x)."""
-    x_codes, x_scale = _quantize_rows(x, x_amax)
-    return _int8_mm(x_codes, w_codes, x_scale, w_scale, x.dtype), x_codes, x_scale
-
-
 def _linear_forward_fake(x, w_codes, w_scale, x_amax):
     return (x.new_empty((x.shape[0], w_codes.shape[0])), x.new_empty(x.shape, dtype=torch.int8),
             x.new_empty((x.shape[0],), dtype=torch.float32))
-
-
-linear_forward = _define(
-    "bitnet_linear_forward(Tensor x, Tensor w_codes, Tensor w_scale, Tensor? x_amax) "
-    "-> (Tensor, Tensor, Tensor)",
-    _linear_forward, _linear_forward_fake)
-
-
-def _linear_backward(dy: torch.Tensor, x_codes: torch.Tensor, x_scale: torch.Tensor,
-                     w_codes: torch.Tensor, w_scale: torch.Tensor, dy_amax: torch.Tensor | None,
-                     int8_backward: bool, need_dx: bool, need_dw: bool,
-                     dw_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, dW) of the straight-through BitNet linear for 2-D dy; an empty tensor stands
-    for a gradient that is not needed. ``dy_amax``: the rows' abs-max when dy is a shard
-    of its rows (else computed from dy)."""
-    if need_dx:
-        if int8_backward:
-            dy_codes, dy_scale = _quantize_rows(dy, dy_amax)
-            # K-major copy of the ternary weight for the int8 tensor cores ([K, N]).
-            dx = _int8_mm(dy_codes, w_codes.t().contiguous(), dy_scale, w_scale, dy.dtype)
-        else:
-            dx = torch.mm(dy, (w_codes.to(torch.float32) * w_scale).to(dy.dtype))
-    else:
-        dx = dy.new_empty((0,))
-    if need_dw:
-        dw = torch.mm(dy.t(), _dequantize_rows(x_codes, x_scale, dy.dtype)).to(dw_dtype)
-    else:
-        dw = dy.new_empty((0,))
-    return dx, dw
 
 
 def _linear_backward_fake(dy, x_codes, x_scale, w_codes, w_scale, dy_amax, int8_backward,
@@ -159,12 +167,88 @@ def _linear_backward_fake(dy, x_codes, x_scale, w_codes, w_scale, dy_amax, int8_
     return dx, dw
 
 
-linear_backward = _define(
+_QUANTIZE_WEIGHT = _define("bitnet_quantize_weight(Tensor w) -> (Tensor, Tensor)",
+                           _quantize_weight, _quantize_weight_fake)
+_QUANTIZE_WEIGHT_SHARD = _define(
+    "bitnet_quantize_weight_shard(Tensor w, Tensor abs_sum, int numel) -> (Tensor, Tensor)",
+    _quantize_weight_shard, _quantize_weight_shard_fake)
+_LINEAR_FORWARD = _define(
+    "bitnet_linear_forward(Tensor x, Tensor w_codes, Tensor w_scale, Tensor? x_amax) "
+    "-> (Tensor, Tensor, Tensor)",
+    _linear_forward, _linear_forward_fake)
+_LINEAR_BACKWARD = _define(
     "bitnet_linear_backward(Tensor dy, Tensor x_codes, Tensor x_scale, Tensor w_codes, "
     "Tensor w_scale, Tensor? dy_amax, bool int8_backward, bool need_dx, bool need_dw, "
     "ScalarType dw_dtype) "
     "-> (Tensor, Tensor)",
     _linear_backward, _linear_backward_fake)
+
+
+# Compiled operators: triton_op, traced by torch.compile into torch ops and kernel
+# launches (the function is its own fake kernel). Annotated, for the schema.
+
+@torch.library.triton_op("titan_lowbit::bitnet_quantize_weight_traced", mutates_args=())
+def _quantize_weight_traced(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_weight(w, traced=True)
+
+
+@torch.library.triton_op("titan_lowbit::bitnet_quantize_weight_shard_traced", mutates_args=())
+def _quantize_weight_shard_traced(w: torch.Tensor, abs_sum: torch.Tensor,
+                                  numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize_weight_shard(w, abs_sum, numel, traced=True)
+
+
+@torch.library.triton_op("titan_lowbit::bitnet_linear_forward_traced", mutates_args=())
+def _linear_forward_traced(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
+                           x_amax: Optional[torch.Tensor]
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _linear_forward(x, w_codes, w_scale, x_amax, traced=True)
+
+
+@torch.library.triton_op("titan_lowbit::bitnet_linear_backward_traced", mutates_args=())
+def _linear_backward_traced(dy: torch.Tensor, x_codes: torch.Tensor, x_scale: torch.Tensor,
+                            w_codes: torch.Tensor, w_scale: torch.Tensor,
+                            dy_amax: Optional[torch.Tensor], int8_backward: bool, need_dx: bool,
+                            need_dw: bool, dw_dtype: torch.dtype
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _linear_backward(dy, x_codes, x_scale, w_codes, w_scale, dy_amax, int8_backward,
+                            need_dx, need_dw, dw_dtype, traced=True)
+
+
+def _compiling(t: torch.Tensor) -> bool:
+    """Whether torch.compile is tracing this call: Dynamo (``is_compiling``), or
+    AOTAutograd tracing on fake tensors (a tensor subclass's ``__torch_function__`` that
+    Dynamo left in the graph as one call runs there, where some torch versions report
+    ``is_compiling()`` as False)."""
+    return torch.compiler.is_compiling() or is_fake(t)
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ternary codes (int8) and abs-mean scale (fp32, 0-d) of an unsharded 2-D weight."""
+    return (_quantize_weight_traced if _compiling(w) else _QUANTIZE_WEIGHT)(w)
+
+
+def quantize_weight_shard(w: torch.Tensor, abs_sum: torch.Tensor,
+                          numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ternary codes and scale of one shard of a weight from the whole weight's sum |W|
+    and element count (tensor parallelism)."""
+    return (_quantize_weight_shard_traced if _compiling(w) else _QUANTIZE_WEIGHT_SHARD)(
+        w, abs_sum, numel)
+
+
+def linear_forward(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
+                   x_amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, x codes, x row scales) of the BitNet forward for 2-D x (``_linear_forward``)."""
+    return (_linear_forward_traced if _compiling(x) else _LINEAR_FORWARD)(x, w_codes, w_scale, x_amax)
+
+
+def linear_backward(dy, x_codes, x_scale, w_codes, w_scale, dy_amax, int8_backward: bool,
+                    need_dx: bool, need_dw: bool,
+                    dw_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dW) of the BitNet backward for 2-D dy (``_linear_backward``)."""
+    return (_linear_backward_traced if _compiling(dy) else _LINEAR_BACKWARD)(
+        dy, x_codes, x_scale, w_codes, w_scale, dy_amax, int8_backward, need_dx, need_dw,
+        dw_dtype)
 
 
 def absmean_scale(w: torch.Tensor) -> torch.Tensor:
