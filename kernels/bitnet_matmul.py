@@ -223,7 +223,9 @@ def _traced_tile(M: int, N: int, K: int, stride_a: int, stride_b: int,
 def _launch_traced(a, b, a_scale, b_scale, out, M, N, K):
     """Record the pointer variant's launch in the graph torch.compile builds, with the
     autotuned tile (module docstring)."""
-    cfg = _traced_tile(M, N, K, a.stride(0), b.stride(0), out.dtype, a.device)
+    # int(): a traced call with dynamic sizes specializes on them (the tile is per shape).
+    cfg = _traced_tile(int(M), int(N), int(K), int(a.stride(0)), int(b.stride(0)), out.dtype,
+                       a.device)
     meta = dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (_cdiv(M, cfg.kwargs["BLOCK_M"]) * _cdiv(N, cfg.kwargs["BLOCK_N"]),)
     args = (a, b, a_scale, b_scale, out, M, N, K, a.stride(0), b.stride(0), N)

@@ -172,7 +172,8 @@ def quantize_rows(x: torch.Tensor, block_k: int | None = None, amax: torch.Tenso
     scale = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M == 0:
         return q, scale
-    block_m, block_k, single, num_warps = _quantize_tiles(K, block_k)
+    # int(): a traced call with a dynamic K specializes on it (the tile depends on K).
+    block_m, block_k, single, num_warps = _quantize_tiles(int(K), block_k)
     _QUANTIZE_ROWS(
         (_cdiv(M, block_m),), (x, q, scale, scale if amax is None else amax, M, K, x.stride(0), K),
         EPS_C=EPS, QMAX_C=float(QMAX), BLOCK_M=block_m, BLOCK_K=block_k,
@@ -359,7 +360,8 @@ def ternarize_from_sum(w: torch.Tensor, abs_sum: torch.Tensor, numel: int, pack:
     check_float_input("ternarize weight", w)
     _check_scale_input("the abs-sum of the weight", abs_sum, w)
     scale = torch.empty((), dtype=torch.float32, device=w.device)
-    return _ternarize_launch(w, abs_sum, scale, float(numel), pack, True, traced), scale
+    # int(): a traced call with a dynamic size specializes on it.
+    return _ternarize_launch(w, abs_sum, scale, float(int(numel)), pack, True, traced), scale
 
 
 def ternarize_reference(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

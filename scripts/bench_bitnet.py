@@ -80,9 +80,11 @@ def _linear_rows(tokens, k, n, dev, ceil, with_torchao):
     w = (torch.randn(n, k, device=dev) * k**-0.5).to(torch.bfloat16).requires_grad_()
     row = {"shape": f"{k}->{n}", "tokens": tokens}
 
-    def fwd_bwd(weight):
+    def fwd_bwd(weight, compiled=False):
+        linear = torch.compile(F.linear, fullgraph=True, dynamic=False) if compiled else F.linear
+
         def run():
-            F.linear(x, weight).backward(dy)
+            linear(x, weight).backward(dy)
         return run
 
     g = bq.absmean_scale_reference(w.detach())
@@ -95,6 +97,9 @@ def _linear_rows(tokens, k, n, dev, ceil, with_torchao):
         "bitnet": (fwd_bwd(gathered), [x, gathered]),
         "bitnet_wq": (fwd_bwd(latent), [x, latent]),
         "bitnet_bf16bwd": (fwd_bwd(gathered_bf16bwd), [x, gathered_bf16bwd]),
+        # Under torch.compile (Inductor), as torchtitan's compile.enable runs the layers.
+        "bf16_compiled": (fwd_bwd(w, True), [x, w]),
+        "bitnet_compiled": (fwd_bwd(gathered, True), [x, gathered]),
     }
     # Interleaved rounds, median per variant: clocks drift under sustained load, and a
     # variant timed only after the others would pay for it.
@@ -143,6 +148,7 @@ def _linear_rows(tokens, k, n, dev, ceil, with_torchao):
         + q_bytes / ceil["copy_tbps"] / 1e9
     row["floor_ms"] = floor
     row["speedup"] = row["bf16_ms"] / row["bitnet_ms"]
+    row["speedup_compiled"] = row["bf16_compiled_ms"] / row["bitnet_compiled_ms"]
     row["speedup_floor"] = row["bf16_ms"] / floor
     # With int8 at exactly twice the bf16 rate and free quantization the bound is
     # 3 GEMMs / (2 half-price GEMMs + 1 GEMM) = 1.5x; at the measured int8:bf16 ratio:
@@ -196,7 +202,7 @@ def _compiled_chain_host_us(k, n, dev, tokens, per_call_us) -> dict:
     out = {}
     for name, ws in kinds.items():
         torch._dynamo.reset()
-        compiled = torch.compile(chain, fullgraph=True)
+        compiled = torch.compile(chain, fullgraph=True, dynamic=False)
 
         def step(ws=ws, compiled=compiled):
             compiled(x, ws).float().sum().backward()
@@ -576,7 +582,8 @@ def measure_gloo(flavor="debugmodel") -> dict:
 
 
 def _table(rows, ceil):
-    cols = ["shape", "bf16_ms", "bitnet_ms", "speedup", "bitnet_wq_ms", "bitnet_bf16bwd_ms",
+    cols = ["shape", "bf16_ms", "bitnet_ms", "speedup", "bf16_compiled_ms", "bitnet_compiled_ms",
+            "speedup_compiled", "bitnet_wq_ms", "bitnet_bf16bwd_ms",
             "torchao_ms", "floor_ms", "speedup_floor", "speedup_bound_no_quant"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
