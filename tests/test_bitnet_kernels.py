@@ -329,10 +329,7 @@ def test_compiled_bitnet_linear_equals_eager(gathered, int8_backward):
                 if gathered or be != "inductor":
                     assert torch.equal(a, b), (be, name)
                 else:
-                    # Inductor sums |W| for the scale in its own order: g may differ in
-                    # its last bit, which moves a few bf16 roundings (and rarely a code).
-                    torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3 * b.abs().max().item())
-                    assert (a != b).float().mean() < 0.02, (be, name)
+                    _assert_same_but_for_the_weight_scale(a, b)
     # The compiled operators were decomposed into the graph: no call back into an eager
     # operator (Python per step); on a GPU the kernels are launches Inductor owns.
     assert len(graphs) == 2
@@ -347,7 +344,16 @@ def test_compiled_bitnet_linear_equals_eager(gathered, int8_backward):
     if gathered:
         assert torch.equal(y2, y2_eager)
     else:
-        torch.testing.assert_close(y2, y2_eager, rtol=1e-2, atol=1e-3 * y2_eager.abs().max().item())
+        _assert_same_but_for_the_weight_scale(y2, y2_eager)
+
+
+def _assert_same_but_for_the_weight_scale(a, b):
+    """Inductor sums |W| for the scale in its own order: g may differ in its last bit,
+    which moves some bf16 roundings and can flip the odd weight code sitting on a
+    rounding boundary (shifting that output column by g * x). Nearly every element is
+    equal and the whole tensor agrees to far below bf16 resolution."""
+    assert (a != b).float().mean() < 0.01
+    assert ((a.double() - b.double()).norm() / b.double().norm()).item() < 5e-3
 
 
 def test_kernels_in_a_fresh_interpreter_process():
