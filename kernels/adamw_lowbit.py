@@ -685,8 +685,10 @@ class FusedAdamW:
         nb = max(1, launch_shape(cfg, elems_per_program)[0] // cfg.block)
         return cls.is_aligned(cfg, t, grad), cls.is_even(cfg, t, nb)
 
-    def _upload_grads(self, grads: Sequence[torch.Tensor]) -> bool:
-        """Point the plan at this step's gradients; False if they break its alignment."""
+    def point_at(self, grads: Sequence[torch.Tensor]) -> bool:
+        """Point the plan at this step's gradients (uploading their offsets if they moved);
+        False if their alignment does not fit this plan, so the caller can build one that
+        fits."""
         ptrs = [g.data_ptr() for g in grads]
         if ptrs == self._grad_ptrs:
             return True
@@ -702,16 +704,10 @@ class FusedAdamW:
         self._grad_base = grads[0]
         return True
 
-    def point_at(self, grads: Sequence[torch.Tensor]) -> bool:
-        """Point the plan at this step's gradients (uploading their offsets if they moved);
-        False if their alignment does not fit this plan, so the caller can build one that
-        fits."""
-        return self._upload_grads(grads)
-
     def step(self, grads: Sequence[torch.Tensor], hyper: AdamWHyper) -> bool:
         """Launch the step; returns False (and launches nothing) if the gradients' alignment
         does not fit this plan, so the caller can build one that fits."""
-        if not self._upload_grads(grads):
+        if not self.point_at(grads):
             return False
         self.launch(hyper)
         return True

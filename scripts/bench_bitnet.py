@@ -176,21 +176,24 @@ def _linear_rows(tokens, k, n, dev, ceil, with_torchao):
 CHAIN = 8
 
 
-def _compiled_chain_host_us(k, n, dev, tokens, per_call_us) -> dict:
-    from titan_lowbit.bitnet import BitNetTernaryWeight, BitNetTrainingWeight
+def _gathered_weight(w: torch.Tensor):
+    """The ternary weight FSDP2's all-gather would hand a layer for the bf16 weight w."""
+    from titan_lowbit.bitnet import BitNetTernaryWeight
     from titan_lowbit.kernels import bitnet_quant as bq
+
+    g = bq.absmean_scale_reference(w)
+    return BitNetTernaryWeight(bq.ternarize(w, g), g, torch.bfloat16).requires_grad_()
+
+
+def _compiled_chain_host_us(k, n, dev, tokens, per_call_us) -> dict:
+    from titan_lowbit.bitnet import BitNetTrainingWeight
 
     x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16, requires_grad=True)
     shapes = [(n, k) if i % 2 == 0 else (k, n) for i in range(CHAIN)]
     latent = [(torch.randn(*s, device=dev) * s[1] ** -0.5).to(torch.bfloat16) for s in shapes]
-
-    def ternary(w):
-        g = bq.absmean_scale_reference(w)
-        return BitNetTernaryWeight(bq.ternarize(w, g), g, torch.bfloat16).requires_grad_()
-
     kinds = {
         "bf16": [w.clone().requires_grad_() for w in latent],
-        "bitnet": [ternary(w) for w in latent],
+        "bitnet": [_gathered_weight(w) for w in latent],
         "bitnet_wq": [nn.Parameter(BitNetTrainingWeight(w.clone())) for w in latent],
     }
 
@@ -217,16 +220,17 @@ def host_overhead(k, n, dev, tokens=16, iters=200) -> dict:
     """Host time per forward+backward of one layer: wall time per iteration at a token
     count small enough that the GPU idles, with one synchronization at the end. When a
     model's layers are small this bounds the step time from below (host-bound)."""
-    from titan_lowbit.bitnet import BitNetTernaryWeight, BitNetTrainingWeight
+    from titan_lowbit.bitnet import BitNetTrainingWeight
     from titan_lowbit.kernels import bitnet_quant as bq
 
     x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, n, device=dev, dtype=torch.bfloat16)
     w = (torch.randn(n, k, device=dev) * k**-0.5).to(torch.bfloat16).requires_grad_()
-    g = bq.absmean_scale_reference(w.detach())
+    gathered = _gathered_weight(w.detach())
+    g = gathered._scale
     weights = {
         "bf16": w,
-        "bitnet": BitNetTernaryWeight(bq.ternarize(w.detach(), g), g, torch.bfloat16).requires_grad_(),
+        "bitnet": gathered,
         "bitnet_wq": nn.Parameter(BitNetTrainingWeight(w.detach().clone())),
     }
     out = {"shape": f"{k}->{n}", "tokens": tokens}
