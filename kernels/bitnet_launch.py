@@ -18,9 +18,9 @@ constexpr values included), on the current device's current stream, with Triton'
 hooks when any are installed (profilers).
 
 Inside a torch.compile graph (the ``torch.library.triton_op`` operators of
-``titan_lowbit.bitnet.ops``) a wrapper is called with ``traced=True`` and records the
-launch with ``torch.library.wrap_triton`` instead: Inductor then compiles the kernel and
-launches it from its generated code, with no Python of ours left per step.
+``titan_lowbit.bitnet.ops``) the int8 matmul records its launch with ``record_launch``
+(``torch.library.wrap_triton``) instead: Inductor then compiles the kernel and launches it
+from its generated code, with no Python of ours left per step.
 
 Under TRITON_INTERPRET=1 the kernels are interpreted functions with nothing compiled to
 keep: every launch goes through Triton. ``TITAN_LOWBIT_FAST_LAUNCH=0`` sends every
@@ -158,12 +158,9 @@ class FastKernel:
 
     # -- the common case ----------------------------------------------------------------
 
-    def __call__(self, grid: tuple, args: tuple, traced: bool = False, **meta) -> None:
+    def __call__(self, grid: tuple, args: tuple, **meta) -> None:
         """``kernel[grid](*args, **meta)``, from the cache after the first launch of a
-        specialization; ``traced``: record the launch in the graph being compiled."""
-        if traced:
-            record_launch(self.kernel, grid, args, meta)
-            return
+        specialization."""
         if not self.enabled:
             self.kernel[grid](*args, **meta)
             return

@@ -83,6 +83,15 @@ def weight_abs_sum(w: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(w.detach(), 1, dtype=torch.float32)
 
 
+def div_rn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a / b for fp32 tensors, correctly rounded on every device and inside Inductor's
+    generated code (whose fp32 division may be approximate): divided in fp64 and rounded
+    once to fp32. The fp64 quotient rounded to fp32 is the correctly rounded fp32 quotient
+    (double rounding through 53 >= 2 * 24 + 2 bits is innocuous), i.e. the kernels'
+    ``div_rn``. Used on per-row and per-tensor scales only."""
+    return (a.double() / b.double()).float()
+
+
 def _check_row_amax(amax: torch.Tensor | None, x: torch.Tensor) -> None:
     if amax is not None and (amax.dtype != torch.float32 or tuple(amax.shape) != (x.shape[0],)
                              or amax.device != x.device or not amax.is_contiguous()):
@@ -151,8 +160,8 @@ def _quantize_tiles(K: int, block_k: int | None) -> tuple[int, int, bool, int]:
 _QUANTIZE_ROWS = FastKernel(_quantize_rows_kernel)
 
 
-def quantize_rows(x: torch.Tensor, block_k: int | None = None, amax: torch.Tensor | None = None,
-                  traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, block_k: int | None = None,
+                  amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise abs-max int8 quantization of a 2-D tensor in one fused kernel.
 
     Returns (q int8 [M, K], scale fp32 [M]) with x ~= q * scale[:, None]. One read of x
@@ -160,7 +169,6 @@ def quantize_rows(x: torch.Tensor, block_k: int | None = None, amax: torch.Tenso
     ``amax`` (fp32 [M]) gives each row's abs-max instead (a row sharded over tensor-
     parallel ranks is quantized with the max over all its shards, as if unsharded).
     ``block_k`` forces the column tile (tests use it to exercise the two-pass path).
-    ``traced``: record the launch in the graph torch.compile builds (``bitnet_launch``).
     """
     _check_2d("quantize_rows input", x)
     check_float_input("quantize_rows input", x)
@@ -172,12 +180,11 @@ def quantize_rows(x: torch.Tensor, block_k: int | None = None, amax: torch.Tenso
     scale = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M == 0:
         return q, scale
-    # int(): a traced call with a dynamic K specializes on it (the tile depends on K).
-    block_m, block_k, single, num_warps = _quantize_tiles(int(K), block_k)
+    block_m, block_k, single, num_warps = _quantize_tiles(K, block_k)
     _QUANTIZE_ROWS(
         (_cdiv(M, block_m),), (x, q, scale, scale if amax is None else amax, M, K, x.stride(0), K),
         EPS_C=EPS, QMAX_C=float(QMAX), BLOCK_M=block_m, BLOCK_K=block_k,
-        SINGLE_PASS=single, AMAX_GIVEN=amax is not None, num_warps=num_warps, traced=traced,
+        SINGLE_PASS=single, AMAX_GIVEN=amax is not None, num_warps=num_warps,
     )
     return q, scale
 
@@ -191,10 +198,8 @@ def quantize_rows_reference(x: torch.Tensor,
     xf = x.float()
     if amax is None:
         amax = row_absmax(x)
-    # Tensor / tensor: an IEEE division on every device (torch turns "/ scalar" into a
-    # multiplication by the scalar's reciprocal on CUDA).
-    scale = amax.clamp_min(EPS) / torch.full_like(amax, QMAX)
-    recip = torch.ones_like(scale) / scale
+    scale = div_rn(amax.clamp_min(EPS), torch.full_like(amax, QMAX))
+    recip = div_rn(torch.ones_like(scale), scale)
     q = torch.floor(xf * recip[:, None] + 0.5).clamp_(-QMAX, QMAX).to(torch.int8)
     return q, scale
 
@@ -217,10 +222,8 @@ def _dequantize_rows_kernel(
 _DEQUANTIZE_ROWS = FastKernel(_dequantize_rows_kernel)
 
 
-def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                    traced: bool = False) -> torch.Tensor:
-    """out[m, k] = q[m, k] * scale[m], rounded once to ``dtype`` (the saved activation x^).
-    ``traced``: record the launch in the graph torch.compile builds."""
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """out[m, k] = q[m, k] * scale[m], rounded once to ``dtype`` (the saved activation x^)."""
     _check_2d("dequantize_rows codes", q)
     if dtype not in SUPPORTED_FLOAT_DTYPES:
         raise TypeError(f"BitNet: dequantize_rows cannot produce dtype {dtype}")
@@ -232,7 +235,7 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
         return out
     block_m, block_k = 8, 512
     _DEQUANTIZE_ROWS((_cdiv(M, block_m), _cdiv(K, block_k)), (q, scale, out, M, K, q.stride(0), K),
-                     BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4, traced=traced)
+                     BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4)
     return out
 
 
@@ -257,8 +260,8 @@ def absmean_scale_reference(w: torch.Tensor, abs_sum: torch.Tensor | None = None
         abs_sum = weight_abs_sum(w)
     n = w.numel() if numel is None else numel
     abs_sum = abs_sum.float()
-    # Tensor / tensor: an IEEE division (by fp32(n)) on every device, as the kernels do.
-    return (abs_sum / torch.full_like(abs_sum, n)).clamp_min(EPS)
+    # An IEEE division by fp32(n), as the kernels do.
+    return div_rn(abs_sum, torch.full_like(abs_sum, n)).clamp_min(EPS)
 
 
 @triton.jit
@@ -275,8 +278,7 @@ def _ternarize_kernel(
     row_ok = (rows < R)[:, None]
     r64 = rows.to(tl.int64)[:, None]
     if FROM_SUM:
-        # numel arrives as fp32 from Triton's launcher, as fp64 from Inductor's: the same
-        # fp32(numel) either way.
+        # numel: a Python float (fp32(numel), however the launcher passes it).
         g = tl.maximum(tl.math.div_rn(tl.load(scale_ptr), tl.cast(numel, tl.float32)), EPS_C)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             tl.store(scale_out_ptr, g)
@@ -315,8 +317,7 @@ def _check_scale_input(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
         )
 
 
-def _ternarize_launch(w, scale_in, scale_out, numel: float, pack: bool, from_sum: bool,
-                      traced: bool = False):
+def _ternarize_launch(w, scale_in, scale_out, numel: float, pack: bool, from_sum: bool):
     if w.stride(1) != 1:
         w = w.contiguous()
     R, C = w.shape
@@ -330,7 +331,7 @@ def _ternarize_launch(w, scale_in, scale_out, numel: float, pack: bool, from_sum
     _TERNARIZE((_cdiv(R, block_r), _cdiv(out_cols, block_c)),
                (w, scale_in, out, scale_out, numel, R, C, w.stride(0), out_cols),
                PACK=pack, FROM_SUM=from_sum, EPS_C=EPS, BLOCK_R=block_r, BLOCK_C=block_c,
-               num_warps=4, traced=traced)
+               num_warps=4)
     return out
 
 
@@ -346,22 +347,20 @@ def ternarize(w: torch.Tensor, scale: torch.Tensor, pack: bool = False) -> torch
     return _ternarize_launch(w, scale, scale, 1.0, pack, False)
 
 
-def ternarize_from_sum(w: torch.Tensor, abs_sum: torch.Tensor, numel: int, pack: bool = False,
-                       traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def ternarize_from_sum(w: torch.Tensor, abs_sum: torch.Tensor, numel: int,
+                       pack: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Ternary codes of a 2-D weight and its abs-mean scale from ``abs_sum`` = sum |W|, in
     one kernel: (codes as ``ternarize`` returns them, g = max(abs_sum / numel, EPS)).
 
     ``abs_sum`` (fp32, one element) and ``numel`` cover the whole weight: under FSDP the
     all-reduced sum and the global element count. The scale is the one
     ``absmean_scale_reference(w, abs_sum, numel)`` computes (an IEEE division by fp32(numel)).
-    ``traced``: record the launch in the graph torch.compile builds.
     """
     _check_2d("ternarize weight", w)
     check_float_input("ternarize weight", w)
     _check_scale_input("the abs-sum of the weight", abs_sum, w)
     scale = torch.empty((), dtype=torch.float32, device=w.device)
-    # int(): a traced call with a dynamic size specializes on it.
-    return _ternarize_launch(w, abs_sum, scale, float(int(numel)), pack, True, traced), scale
+    return _ternarize_launch(w, abs_sum, scale, float(numel), pack, True), scale
 
 
 def ternarize_reference(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -369,7 +368,7 @@ def ternarize_reference(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     _check_2d("ternarize weight", w)
     check_float_input("ternarize weight", w)
     _check_scale(scale, w)
-    recip = torch.ones_like(scale) / scale
+    recip = div_rn(torch.ones_like(scale), scale)
     return torch.floor(w.float() * recip + 0.5).clamp_(-1, 1).to(torch.int8)
 
 

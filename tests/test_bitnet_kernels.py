@@ -347,6 +347,67 @@ def test_compiled_bitnet_linear_equals_eager(gathered, int8_backward):
         _assert_same_but_for_the_weight_scale(y2, y2_eager)
 
 
+def test_compiled_bitnet_quantizes_a_shared_input_once():
+    """Three layers reading one input (wq, wk, wv) under torch.compile, partitioned as
+    Inductor partitions: the forward quantizes the input once and saves one tensor of its
+    size for the three weight gradients (the quantizations are torch ops there, which the
+    partitioner's common-subexpression pass deduplicates); on a GPU the only launches of
+    our kernels are the int8 matmuls. The result is the eager one."""
+    import torch.nn.functional as F
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from titan_lowbit.bitnet import BitNetTernaryWeight
+
+    torch._dynamo.reset()
+    m, k = (33, 64) if DEVICE == "cpu" else (1000, 512)
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    weights = []
+    for n in (k, k // 4, k // 4):
+        w = torch.randn(n, k, device=DEVICE)
+        g = bq.absmean_scale_reference(w)
+        weights.append(BitNetTernaryWeight(bq.ternarize_reference(w, g), g, torch.bfloat16,
+                                           True).requires_grad_())
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    def backend(gm, example_inputs):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=record, bw_compiler=record,
+                                     partition_fn=min_cut_rematerialization_partition)
+
+    def qkv(x, wq, wk, wv):
+        return F.linear(x, wq), F.linear(x, wk), F.linear(x, wv)
+
+    def run(fn):
+        x.grad = None
+        for w in weights:
+            w.grad = None
+        ys = fn(x, *weights)
+        torch.autograd.backward(ys, [torch.ones_like(y) for y in ys])
+        return [y.detach() for y in ys] + [x.grad]
+
+    eager = run(qkv)
+    compiled = run(torch.compile(qkv, backend=backend, fullgraph=True))
+    for a, b in zip(compiled, eager):
+        assert torch.equal(a, b)
+
+    def count(gm, name):
+        return sum(1 for n in gm.graph.nodes if name in str(n.target))
+
+    forward, backward = graphs
+    assert count(forward, "aten.floor") == 1  # x quantized once, not three times
+    assert count(backward, "aten.floor") == 3  # each layer's grad_output
+    (outputs,) = [n.args[0] for n in forward.graph.nodes if n.op == "output"]
+    saved = [o for o in outputs[3:] if tuple(o.meta["val"].shape) == (m, k)]
+    assert len(saved) == 1, saved  # x's codes (or x^) saved once for the three dW
+    kernels = 3 if DEVICE == "cuda" else 0  # the int8 matmuls, and nothing else of ours
+    assert count(forward, "triton_kernel_wrapper") == kernels
+    assert count(backward, "triton_kernel_wrapper") == kernels
+
+
 def _assert_same_but_for_the_weight_scale(a, b):
     """Inductor sums |W| for the scale in its own order: g may differ in its last bit,
     which moves some bf16 roundings and can flip the odd weight code sitting on a

@@ -3,16 +3,26 @@
 The kernels run inside ``torch.library`` operators (weight quantization, of a whole
 weight or of a tensor-parallel shard, forward, backward), on CUDA through the Triton
 kernels and on every other device through the pure-PyTorch references of the same math
-(the design's CPU path). Each operator exists twice, with the same implementation:
+(the design's CPU path). Outside torch.compile each is a plain ``torch.library.Library``
+operator with a fake kernel, launching through ``bitnet_launch.FastKernel`` (the least
+host time per call).
 
-- eager: a plain ``torch.library.Library`` operator with a fake kernel, launching through
-  ``bitnet_launch.FastKernel`` (the least host time per call outside a compiled graph);
-- compiled: a ``torch.library.triton_op``, which torch.compile decomposes into its torch
-  ops and ``wrap_triton`` kernel launches, so Inductor allocates the buffers, fuses the
-  torch ops around the kernels and launches the kernels from its generated code. A
-  compiled BitNet layer then costs no Python of ours per step; with the eager operators
-  inside a compiled graph every call re-entered Python (about 1 ms of host time per layer
-  per step on the H100 machine, more than the GPU time BitNet saves at 1B scale).
+While torch.compile traces, the same implementations run with ``traced=True``:
+- the quantizations (activation and grad_output rows, the saved activation's
+  dequantization, the weight's ternarization) are their references' torch ops, the same
+  math. Inductor fuses each into the kernel that produces its input (the RMSNorm before
+  wq/wk/wv, the SwiGLU product before w2, the gradients' producers), and its common-
+  subexpression pass quantizes an input shared by several layers once (wq/wk/wv, w1/w3)
+  and saves its codes once: faster and less memory than launching our quantization
+  kernels from the graph (figures in docs/bitnet.md);
+- forward and backward are ``torch.library.triton_op`` operators, which torch.compile
+  decomposes into those torch ops and a ``wrap_triton`` launch of the int8 matmul (ours:
+  Inductor has no int8 GEMM with these epilogues), so Inductor allocates the buffers and
+  launches the kernel from its generated code. The weight quantizations, torch ops only,
+  are traced as they are.
+A compiled BitNet layer thus costs no Python of ours per step; with the eager operators
+inside a compiled graph every call re-entered Python (about 1 ms of host time per layer
+per step on the H100 machine, more than the GPU time BitNet saves at 1B scale).
 
 The public functions below (``quantize_weight``, ``linear_forward``, ...) pick the
 compiled operators while torch.compile traces (``_compiling``).
@@ -27,7 +37,9 @@ gradients are those of y = x^ W^T with x^ = x codes * s_x and W^ = W codes * g):
     dW = dy^T x^   in the activation dtype from the saved int8 x codes (dequantized)
     db = sum over rows of dy
 Only the int8 x codes and their row scales are saved for backward (1 byte per element
-instead of 2 for bf16 activations).
+instead of 2 for bf16 activations). Under torch.compile the partitioner picks what to save
+by size: x's codes, or, for an input that several layers read (wq/wk/wv), the bf16 x^ once
+for all of them (2 bytes per element instead of 3 x 1).
 """
 
 from __future__ import annotations
@@ -49,16 +61,17 @@ def _on_gpu(t: torch.Tensor) -> bool:
 
 
 # Device dispatch: Triton kernels on CUDA, references of the same math elsewhere.
-# ``traced``: record the kernel launches for Inductor (inside the compiled operators).
+# ``traced`` (inside the compiled operators): the quantizations are the references' torch
+# ops, for Inductor to fuse (module docstring); the int8 matmul's launch is recorded.
 def _quantize_rows(x, amax=None, traced=False):
-    if _on_gpu(x):
-        return _q.quantize_rows(x, amax=amax, traced=traced)
+    if _on_gpu(x) and not traced:
+        return _q.quantize_rows(x, amax=amax)
     return _q.quantize_rows_reference(x, amax)
 
 
 def _dequantize_rows(q, scale, dtype, traced=False):
-    if _on_gpu(q):
-        return _q.dequantize_rows(q, scale, dtype, traced=traced)
+    if _on_gpu(q) and not traced:
+        return _q.dequantize_rows(q, scale, dtype)
     return _q.dequantize_rows_reference(q, scale, dtype)
 
 
@@ -90,9 +103,9 @@ def _ternarize_from_sum(w: torch.Tensor, abs_sum: torch.Tensor, numel: int,
                         pack: bool, traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(ternary codes, packed four per byte if ``pack``, and g = max(abs_sum / numel, EPS))
     of a 2-D weight: one kernel on CUDA that derives g and ternarizes, the references
-    elsewhere."""
-    if _on_gpu(w):
-        return _q.ternarize_from_sum(w, abs_sum, numel, pack=pack, traced=traced)
+    elsewhere and when ``traced``."""
+    if _on_gpu(w) and not traced:
+        return _q.ternarize_from_sum(w, abs_sum, numel, pack=pack)
     scale = _q.absmean_scale_reference(w, abs_sum, numel)
     codes = _q.ternarize_reference(w, scale)
     return (_q.pack_ternary_reference(codes) if pack else codes), scale
@@ -187,17 +200,6 @@ _LINEAR_BACKWARD = _define(
 # Compiled operators: triton_op, traced by torch.compile into torch ops and kernel
 # launches (the function is its own fake kernel). Annotated, for the schema.
 
-@torch.library.triton_op("titan_lowbit::bitnet_quantize_weight_traced", mutates_args=())
-def _quantize_weight_traced(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _quantize_weight(w, traced=True)
-
-
-@torch.library.triton_op("titan_lowbit::bitnet_quantize_weight_shard_traced", mutates_args=())
-def _quantize_weight_shard_traced(w: torch.Tensor, abs_sum: torch.Tensor,
-                                  numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _quantize_weight_shard(w, abs_sum, numel, traced=True)
-
-
 @torch.library.triton_op("titan_lowbit::bitnet_linear_forward_traced", mutates_args=())
 def _linear_forward_traced(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
                            x_amax: Optional[torch.Tensor]
@@ -225,15 +227,18 @@ def _compiling(t: torch.Tensor) -> bool:
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Ternary codes (int8) and abs-mean scale (fp32, 0-d) of an unsharded 2-D weight."""
-    return (_quantize_weight_traced if _compiling(w) else _QUANTIZE_WEIGHT)(w)
+    if _compiling(w):
+        return _quantize_weight(w, traced=True)  # torch ops only: traced as they are
+    return _QUANTIZE_WEIGHT(w)
 
 
 def quantize_weight_shard(w: torch.Tensor, abs_sum: torch.Tensor,
                           numel: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Ternary codes and scale of one shard of a weight from the whole weight's sum |W|
     and element count (tensor parallelism)."""
-    return (_quantize_weight_shard_traced if _compiling(w) else _QUANTIZE_WEIGHT_SHARD)(
-        w, abs_sum, numel)
+    if _compiling(w):
+        return _quantize_weight_shard(w, abs_sum, numel, traced=True)
+    return _QUANTIZE_WEIGHT_SHARD(w, abs_sum, numel)
 
 
 def linear_forward(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
