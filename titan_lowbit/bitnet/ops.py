@@ -37,9 +37,11 @@ gradients are those of y = x^ W^T with x^ = x codes * s_x and W^ = W codes * g):
     dW = dy^T x^   in the activation dtype from the saved int8 x codes (dequantized)
     db = sum over rows of dy
 Only the int8 x codes and their row scales are saved for backward (1 byte per element
-instead of 2 for bf16 activations). Under torch.compile the partitioner picks what to save
-by size: x's codes, or, for an input that several layers read (wq/wk/wv), the bf16 x^ once
-for all of them (2 bytes per element instead of 3 x 1).
+instead of 2 for bf16 activations). Under torch.compile, where the dequantization is torch
+ops, AOTAutograd's partitioner computes x^ in the forward and saves it in bf16 instead
+(once for an input that several layers read). Keeping the codes saved there (a
+dequantization kernel ordered after dy) was measured on the 1B model: more peak memory,
+not less (docs/bitnet.md).
 """
 
 from __future__ import annotations
