@@ -28,7 +28,7 @@ if DEVICE == "cpu" and not INTERPRET:
     pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
 # (rows, cols): ragged, a single element, odd columns, rows longer than one tile.
-ROW_SHAPES = [(1, 1), (7, 37), (33, 130), (5, 301)]
+ROW_SHAPES = [(1, 1), (7, 37), (33, 130), (5, 301), (9, 1037)]  # the last: several ragged tiles
 if DEVICE == "cuda":
     ROW_SHAPES += [(4099, 2048), (1000, 14336), (300, 20000)]
 MM_SHAPES = [(1, 16, 1), (37, 45, 70), (64, 64, 64), (100, 17, 33), (37, 45, 80), (70, 100, 48)]
