@@ -11,9 +11,9 @@ While torch.compile traces, the same implementations run with ``traced=True``:
 - the quantizations (activation and grad_output rows, the saved activation's
   dequantization, the weight's ternarization) are their references' torch ops, the same
   math. Inductor fuses each into the kernel that produces its input (the RMSNorm before
-  wq/wk/wv, the SwiGLU product before w2, the gradients' producers), and its common-
-  subexpression pass quantizes an input shared by several layers once (wq/wk/wv, w1/w3)
-  and saves its codes once: faster and less memory than launching our quantization
+  wq/wk/wv, the SwiGLU product before w2, the gradients' producers), and the
+  partitioner's common-subexpression pass quantizes an input shared by several layers
+  once (wq/wk/wv, w1/w3): faster and less memory than launching our quantization
   kernels from the graph (figures in docs/bitnet.md);
 - forward and backward are ``torch.library.triton_op`` operators, which torch.compile
   decomposes into those torch ops and a ``wrap_triton`` launch of the int8 matmul (ours:
