@@ -10,8 +10,8 @@ host time per call).
 While torch.compile traces, the same implementations run with ``traced=True``:
 - the quantizations (activation and grad_output rows, the saved activation's
   dequantization, the weight's ternarization) are their references' torch ops, the same
-  math. Inductor fuses each into the kernel that produces its input (the RMSNorm before
-  wq/wk/wv, the SwiGLU product before w2, the gradients' producers), and the
+  math. Inductor can fuse each into the kernel that produces its input (the RMSNorm
+  before wq/wk/wv, the SwiGLU product before w2, the gradients' producers), and the
   partitioner's common-subexpression pass quantizes an input shared by several layers
   once (wq/wk/wv, w1/w3): faster and less memory than launching our quantization
   kernels from the graph (figures in docs/bitnet.md);
