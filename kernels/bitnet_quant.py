@@ -84,7 +84,7 @@ def weight_abs_sum(w: torch.Tensor) -> torch.Tensor:
 
 
 def div_rn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a / b for fp32 tensors, correctly rounded on every device and inside Inductor's
+    """a / b for fp32 tensors, correctly rounded on CPU and CUDA and inside Inductor's
     generated code (whose fp32 division may be approximate): divided in fp64 and rounded
     once to fp32. The fp64 quotient rounded to fp32 is the correctly rounded fp32 quotient
     (double rounding through 53 >= 2 * 24 + 2 bits is innocuous), i.e. the kernels'
