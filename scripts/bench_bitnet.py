@@ -69,7 +69,7 @@ def _ceilings(dev):
 
 
 def _linear_rows(tokens, k, n, dev, ceil, with_torchao):
-    from titan_lowbit.bitnet import BitNetTernaryWeight, BitNetTrainingWeight
+    from titan_lowbit.bitnet import BitNetTrainingWeight
     from titan_lowbit.bitnet import ops
     from titan_lowbit.kernels import bitnet_matmul as mm
     from titan_lowbit.kernels import bitnet_quant as bq
@@ -87,11 +87,10 @@ def _linear_rows(tokens, k, n, dev, ceil, with_torchao):
             linear(x, weight).backward(dy)
         return run
 
-    g = bq.absmean_scale_reference(w.detach())
-    codes = bq.ternarize(w.detach(), g)
-    gathered = BitNetTernaryWeight(codes, g, torch.bfloat16).requires_grad_()
+    gathered = _gathered_weight(w.detach())
+    codes, g = gathered._codes, gathered._scale
     latent = nn.Parameter(BitNetTrainingWeight(w.detach().clone()))
-    gathered_bf16bwd = BitNetTernaryWeight(codes, g, torch.bfloat16, int8_backward=False).requires_grad_()
+    gathered_bf16bwd = _gathered_weight(w.detach(), int8_backward=False)
     variants = {
         "bf16": (fwd_bwd(w), [x, w]),
         "bitnet": (fwd_bwd(gathered), [x, gathered]),
@@ -176,13 +175,14 @@ def _linear_rows(tokens, k, n, dev, ceil, with_torchao):
 CHAIN = 8
 
 
-def _gathered_weight(w: torch.Tensor):
+def _gathered_weight(w: torch.Tensor, int8_backward: bool = True):
     """The ternary weight FSDP2's all-gather would hand a layer for the bf16 weight w."""
     from titan_lowbit.bitnet import BitNetTernaryWeight
     from titan_lowbit.kernels import bitnet_quant as bq
 
     g = bq.absmean_scale_reference(w)
-    return BitNetTernaryWeight(bq.ternarize(w, g), g, torch.bfloat16).requires_grad_()
+    return BitNetTernaryWeight(bq.ternarize(w, g), g, torch.bfloat16,
+                               int8_backward=int8_backward).requires_grad_()
 
 
 def _compiled_chain_host_us(k, n, dev, tokens, per_call_us) -> dict:
@@ -375,7 +375,7 @@ def host_breakdown(k, n, dev, tokens=16, iters=300, launch_counter=None) -> dict
     (``stub_triton_launches``) the Triton launches are no-ops, so the figures are the
     Python/torch work around them.
     """
-    from titan_lowbit.bitnet import BitNetTernaryWeight, BitNetTrainingWeight, ops
+    from titan_lowbit.bitnet import BitNetTrainingWeight, ops
     from titan_lowbit.kernels import bitnet_matmul as mm
     from titan_lowbit.kernels import bitnet_quant as bq
 
@@ -385,11 +385,10 @@ def host_breakdown(k, n, dev, tokens=16, iters=300, launch_counter=None) -> dict
     dy = torch.randn(tokens, n, device=dev, dtype=torch.bfloat16)
     w = (torch.randn(n, k, device=dev) * k**-0.5).to(torch.bfloat16).requires_grad_()
     w32 = w.detach().float()
-    g = bq.absmean_scale_reference(w.detach())
-    codes = bq.ternarize(w.detach(), g)
+    gathered = _gathered_weight(w.detach())
+    codes, g = gathered._codes, gathered._scale
     codes_t = codes.t().contiguous()
     packed = bq.ternarize(w.detach(), g, pack=True)
-    gathered = BitNetTernaryWeight(codes, g, torch.bfloat16).requires_grad_()
     latent = nn.Parameter(BitNetTrainingWeight(w32.clone()))
     xd = x.detach()
     xq, xs = bq.quantize_rows(xd)

@@ -278,6 +278,24 @@ def test_bitnet_linear_on_device_matches_reference_math():
     assert rel(weight.grad, dy.double().t() @ x_hat) < 8e-3  # bf16 GEMM
 
 
+def _recording_backend(graphs: list, partition_fn=None):
+    """A torch.compile backend that runs AOTAutograd (with ``partition_fn``, e.g. the
+    partitioner Inductor uses) and appends the forward and backward graphs it traced to
+    ``graphs``, running them as they are."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    def backend(gm, example_inputs):
+        extra = {} if partition_fn is None else {"partition_fn": partition_fn}
+        return aot_module_simplified(gm, example_inputs, fw_compiler=record, bw_compiler=record,
+                                     **extra)
+
+    return backend
+
+
 @pytest.mark.parametrize("gathered", [False, True])
 @pytest.mark.parametrize("int8_backward", [True, False])
 def test_compiled_bitnet_linear_equals_eager(gathered, int8_backward):
@@ -301,15 +319,7 @@ def test_compiled_bitnet_linear_equals_eager(gathered, int8_backward):
     else:
         weight = torch.nn.Parameter(BitNetTrainingWeight(w.clone(), int8_backward))
     graphs = []
-
-    def record(gm, example_inputs):  # the forward and backward graphs AOTAutograd traced
-        graphs.append(gm.print_readable(print_output=False))
-        return gm
-
-    def backend(gm, example_inputs):
-        from torch._functorch.aot_autograd import aot_module_simplified
-
-        return aot_module_simplified(gm, example_inputs, fw_compiler=record, bw_compiler=record)
+    backend = _recording_backend(graphs)
 
     def run(fn):
         x.grad = weight.grad = None
@@ -333,7 +343,7 @@ def test_compiled_bitnet_linear_equals_eager(gathered, int8_backward):
     # The compiled operators were decomposed into the graph: no call back into an eager
     # operator (Python per step); on a GPU the kernels are launches Inductor owns.
     assert len(graphs) == 2
-    code = "\n".join(graphs)
+    code = "\n".join(gm.print_readable(print_output=False) for gm in graphs)
     assert "titan_lowbit" not in code, code
     assert ("triton_kernel_wrapper_functional" in code) == (DEVICE == "cuda"), code
     # A second token count makes Dynamo recompile with a dynamic row count: the compiled
@@ -354,7 +364,6 @@ def test_compiled_bitnet_quantizes_a_shared_input_once():
     partitioner's common-subexpression pass deduplicates); on a GPU the only launches of
     our kernels are the int8 matmuls. The result is the eager one."""
     import torch.nn.functional as F
-    from torch._functorch.aot_autograd import aot_module_simplified
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     from titan_lowbit.bitnet import BitNetTernaryWeight
@@ -369,14 +378,7 @@ def test_compiled_bitnet_quantizes_a_shared_input_once():
         weights.append(BitNetTernaryWeight(bq.ternarize_reference(w, g), g, torch.bfloat16,
                                            True).requires_grad_())
     graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        return gm
-
-    def backend(gm, example_inputs):
-        return aot_module_simplified(gm, example_inputs, fw_compiler=record, bw_compiler=record,
-                                     partition_fn=min_cut_rematerialization_partition)
+    backend = _recording_backend(graphs, partition_fn=min_cut_rematerialization_partition)
 
     def qkv(x, wq, wk, wv):
         return F.linear(x, wq), F.linear(x, wk), F.linear(x, wv)
