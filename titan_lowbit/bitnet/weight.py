@@ -28,6 +28,7 @@ travels in the all-gather metadata (every rank holds the same value), not in the
 
 from __future__ import annotations
 
+import inspect
 from typing import Iterable
 
 import torch
@@ -190,6 +191,15 @@ class BitNetTrainingWeight(_RoutesLinear):
         codes = ops.unpack_ternary(packed, cols)
         gathered = BitNetTernaryWeight(codes, scale.detach().clone(), param_dtype, self._int8_backward)
         return gathered, (codes,)
+
+
+# FSDP2 (torch 2.11 and 2.13) calls inspect.signature on fsdp_pre_all_gather at every
+# all-gather of every weight, to tell its one- and five-argument forms apart. A signature
+# stored on the function spares that introspection: 13.4 -> 5.0 us per call on the
+# two-H200 host (33 -> 10 us on the development CPU), for 2 x 7 weights x layers calls per
+# step. At 1B on two GPUs that is about 2 ms of a 170 ms step, within run-to-run noise.
+BitNetTrainingWeight.fsdp_pre_all_gather.__signature__ = inspect.signature(
+    BitNetTrainingWeight.fsdp_pre_all_gather)
 
 
 class BitNetTernaryWeight(_RoutesLinear):
