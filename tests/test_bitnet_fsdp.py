@@ -53,7 +53,7 @@ def _scenarios(rank):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from titan_lowbit.bitnet import CONVERTERS, BitNetTrainingWeight
+    from titan_lowbit.bitnet import CONVERTERS, BitNetTrainingWeight, ops
     from titan_lowbit.config import LowBit
 
     mesh = init_device_mesh("cpu", (WORLD,))
@@ -61,6 +61,7 @@ def _scenarios(rank):
     gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
     all_gather = _Counter(dist, gather_name, bytes_arg=1)
     pre_gather = _Counter(BitNetTrainingWeight, "fsdp_pre_all_gather")
+    packs = _Counter(ops, "pack_ternary_from_sum")
     res = {}
 
     def build(precompute):
@@ -88,26 +89,47 @@ def _scenarios(rank):
         opt_s = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
         opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         counts, losses, grads_ok, scales = [], [], [], []
+        fwd_bwd_packs, hook_packs = [], []
         for i, x in enumerate(xs):
-            all_reduce.reset(), all_gather.reset(), pre_gather.reset()
+            all_reduce.reset(), all_gather.reset(), pre_gather.reset(), packs.reset()
             ls = step(sharded, opt_s, x)
             fwd_bwd = (all_reduce.calls, pre_gather.calls, all_gather.sizes)
+            fwd_bwd_packs.append(packs.calls)
             lr_ = step(ref, opt_r, x)
             losses.append((ls.item(), lr_.item()))
             grads_ok.append(max((ps.grad.full_tensor() - pr.grad).abs().max().item()
                                 for ps, pr in zip(sharded.parameters(), ref.parameters())))
             opt_s.step(), opt_r.step()
             opt_s.zero_grad(), opt_r.zero_grad()
-            all_reduce.reset()
+            all_reduce.reset(), packs.reset()
             conv.post_optimizer_hook([sharded])
             counts.append(fwd_bwd + (all_reduce.calls,))
+            hook_packs.append(packs.calls)
             scales.append(max(
                 (p._local_tensor._precomputed_abs_sum / p.numel()
                  - p.full_tensor().abs().mean()).abs().item()
                 if p._local_tensor._precomputed_abs_sum is not None else float("inf")
                 for p in sharded.parameters()))
+        # An in-place write through torch after the hook packed (here a sign flip, which
+        # keeps sum |W| and so the precomputed scale): the next all-gather must pack the
+        # new values, not hand over the stale packed shard.
+        with torch.no_grad():
+            for ps, pr in zip(sharded.parameters(), ref.parameters()):
+                ps._local_tensor._data.neg_()
+                pr.neg_()
+        all_reduce.reset(), all_gather.reset(), pre_gather.reset(), packs.reset()
+        flipped = sharded(xs[0]).detach()
+        flipped_packs = packs.calls
+        for p in sharded.parameters():  # the same forward with nothing packed in advance
+            p._local_tensor._packed_shard = None
+        fresh = sharded(xs[0]).detach()
+        flipped_ref = ref(xs[0]).detach()
         res[tag] = dict(counts=counts, losses=losses, grad_err=grads_ok, scale_err=scales,
-                        local_types={type(p._local_tensor).__name__ for p in sharded.parameters()})
+                        local_types={type(p._local_tensor).__name__ for p in sharded.parameters()},
+                        fwd_bwd_packs=fwd_bwd_packs, hook_packs=hook_packs,
+                        flipped_equal=torch.equal(flipped, fresh), flipped_packs=flipped_packs,
+                        flipped_err=(flipped - flipped_ref).abs().max().item(),
+                        flipped_scale=flipped_ref.abs().max().item())
 
 
     # Rows not divisible by the shard count: a clear error on every rank, no hang.
@@ -174,6 +196,29 @@ def test_without_precompute_each_gather_all_reduces(results):
 def test_precomputed_scales_equal_global_abs_mean(results):
     assert max(results["pre"]["scale_err"]) < 1e-7
     assert results["nopre"]["scale_err"][0] == float("inf")  # nothing precomputed
+
+
+def test_precompute_packs_each_weight_once_per_step(results):
+    # With precomputed scales the post-optimizer hook packs every gathered weight once,
+    # and the next step's forward and backward all-gathers pack nothing. Step 1 runs
+    # before any hook: FSDP's all-gathers pack (forward and backward re-gather).
+    pre = results["pre"]
+    assert pre["fwd_bwd_packs"][0] >= 2 * len(LAYERS)
+    assert pre["fwd_bwd_packs"][1:] == [0] * (len(pre["fwd_bwd_packs"]) - 1)
+    assert pre["hook_packs"] == [len(LAYERS)] * len(pre["hook_packs"])
+    nopre = results["nopre"]
+    assert all(n >= 2 * len(LAYERS) for n in nopre["fwd_bwd_packs"])
+    assert nopre["hook_packs"] == [0] * len(nopre["hook_packs"])
+
+
+def test_weights_written_after_the_hook_are_packed_anew(results):
+    for tag in ("pre", "nopre"):
+        r = results[tag]
+        assert r["flipped_packs"] == len(LAYERS)
+        assert r["flipped_equal"]
+        # Against the unsharded model, whose weights were flipped too (the runs differ in
+        # the last ulps after three steps, see above); a stale pack misses by far more.
+        assert r["flipped_err"] <= 2e-3 * r["flipped_scale"]
 
 
 def test_uneven_rows_raise_a_clear_error(results):

@@ -109,6 +109,13 @@ class BitNetTrainingWeight(_RoutesLinear):
     # sum |W| over the whole weight (all its shards), set after each optimizer step by
     # precompute_scales; the scale g = max(sum / numel, EPS) is derived in the kernels.
     _precomputed_abs_sum: torch.Tensor | None
+    # This shard's FSDP2 all-gather input, packed by precompute_scales after the optimizer
+    # step for both all-gathers of the next step (forward and backward): (packed codes,
+    # scale g, the latent weight's version counter when packed).
+    _packed_shard: tuple[torch.Tensor, torch.Tensor, int] | None
+    # FSDP2 all-gathers this weight (set by its first fsdp_pre_all_gather): only then does
+    # precompute_scales pack it.
+    _fsdp_gathered: bool
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, int8_backward: bool = True):
@@ -122,6 +129,8 @@ class BitNetTrainingWeight(_RoutesLinear):
         self._data = data
         self._int8_backward = int8_backward
         self._precomputed_abs_sum = None
+        self._packed_shard = None
+        self._fsdp_gathered = False
 
     def __repr__(self) -> str:
         return f"BitNetTrainingWeight({self._data!r}, int8_backward={self._int8_backward})"
@@ -147,7 +156,17 @@ class BitNetTrainingWeight(_RoutesLinear):
     # ---- FSDP2 all-gather extension -------------------------------------------------
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        """Ternarize this shard with the global scale and pack it four codes per byte."""
+        """Ternarize this shard with the global scale and pack it four codes per byte, or
+        hand over what precompute_scales packed after the optimizer step.
+
+        The packed shard is used while the latent weight's version counter is the one it
+        was packed at: an in-place write through torch (a checkpoint load, an optimizer
+        that steps with torch ops and no precompute after it) makes this pack anew. Our
+        fused optimizer writes through Triton without a version bump, and the
+        post-optimizer hook re-packs after every step."""
+        cached = self._packed_shard
+        if cached is not None and cached[2] == self._data._version:
+            return (cached[0],), (cached[1], self._data.shape[1])
         if self._data.dim() != 2:
             raise ValueError(f"BitNet: FSDP2 gathers 2-D linear weights, got shape {tuple(outer_size)}")
         world = mesh.size()
@@ -170,6 +189,7 @@ class BitNetTrainingWeight(_RoutesLinear):
             if tp_group is not None and dist.get_world_size(tp_group) > 1:
                 dist.all_reduce(abs_sum, group=tp_group)
         packed, scale = ops.pack_ternary_from_sum(self._data, abs_sum, numel)
+        self._fsdp_gathered = True
         return (packed,), (scale, self._data.shape[1])
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
@@ -183,10 +203,13 @@ class BitNetTrainingWeight(_RoutesLinear):
                 raise TypeError(f"BitNet: FSDP2 passed out={type(out).__name__}, expected BitNetTernaryWeight")
             # FSDP2 refills the same buffers every step; autograd may hold them from the
             # last forward, so the refill must not bump their version counters.
-            with torch.autograd._unsafe_preserve_version_counter(out._codes), \
-                    torch.autograd._unsafe_preserve_version_counter(out._scale):
+            with torch.autograd._unsafe_preserve_version_counter((out._codes, out._scale)):
                 ops.unpack_ternary(packed, cols, out=out._codes)
-                out._scale.copy_(scale)
+                # A precomputed pack's scale is one tensor, never written again, for both
+                # gathers of a step: the backward's re-gather finds it copied already.
+                if out._scale_source is not scale:
+                    out._scale.copy_(scale)
+                    out._scale_source = scale
             return None
         codes = ops.unpack_ternary(packed, cols)
         gathered = BitNetTernaryWeight(codes, scale.detach().clone(), param_dtype, self._int8_backward)
@@ -221,6 +244,8 @@ class BitNetTernaryWeight(_RoutesLinear):
         self._codes = codes
         self._scale = scale
         self._int8_backward = int8_backward
+        # The tensor _scale was last copied from by FSDP2's refill (fsdp_post_all_gather).
+        self._scale_source = None
 
     def __repr__(self) -> str:
         return (f"BitNetTernaryWeight(shape={tuple(self.shape)}, dtype={self.dtype}, "
@@ -289,8 +314,8 @@ def precompute_scales(params: Iterable[torch.Tensor]) -> int:
     Unsharded weights need no precompute (their forward sees the whole tensor) and are
     skipped.
     """
-    # group names -> (the groups, the weights sharded over them)
-    by_groups: dict[tuple, tuple[tuple, list[BitNetTrainingWeight]]] = {}
+    # group names -> (the groups, the weights sharded over them with their global numel)
+    by_groups: dict[tuple, tuple[tuple, list[tuple[BitNetTrainingWeight, int]]]] = {}
     for p in params:
         local = local_training_weight(p)
         if local is None or not isinstance(p, DTensor):
@@ -302,15 +327,21 @@ def precompute_scales(params: Iterable[torch.Tensor]) -> int:
         if groups:
             # Keyed by name: get_group returns a new Python handle on every call.
             key = tuple(g.group_name for g in groups)
-            by_groups.setdefault(key, (groups, []))[1].append(local)
+            by_groups.setdefault(key, (groups, []))[1].append((local, p.numel()))
     issued = 0
     for groups, weights in by_groups.values():
         with torch.no_grad():
             # One multi-tensor launch for all local L1 norms (no |W| temporaries).
-            sums = torch.stack(torch._foreach_norm([w._data for w in weights], 1, dtype=torch.float32))
+            sums = torch.stack(torch._foreach_norm([w._data for w, _ in weights], 1, dtype=torch.float32))
             for group in groups:  # mesh-dim order: the per-layer path reduces in the same order
                 dist.all_reduce(sums, group=group)
                 issued += 1
-        for w, s in zip(weights, sums.unbind(0)):
-            w._precomputed_abs_sum = s
+            for (w, numel), s in zip(weights, sums.unbind(0)):
+                w._precomputed_abs_sum = s
+                if w._fsdp_gathered:
+                    # Packed here, while the GPU runs the optimizer step, not inside
+                    # FSDP2's all-gathers on the forward's and backward's critical path.
+                    # FSDP2's root forward makes the all-gather streams wait for this one.
+                    packed, scale = ops.pack_ternary_from_sum(w._data, s, numel)
+                    w._packed_shard = (packed, scale, w._data._version)
     return issued
