@@ -318,21 +318,33 @@ def _check_scale_input(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
         )
 
 
+def _ternarize_args(w, scale_in, scale_out, out, numel: float, pack: bool, from_sum: bool):
+    """(grid, runtime arguments, constexprs) of one ternarize launch of contiguous-row w."""
+    R, C = w.shape
+    out_cols = out.shape[1]
+    block_r, block_c = (8, 128) if pack else (16, 256)
+    return ((_cdiv(R, block_r), _cdiv(out_cols, block_c)),
+            (w, scale_in, out, scale_out, numel, R, C, w.stride(0), out_cols),
+            dict(PACK=pack, FROM_SUM=from_sum, EPS_C=EPS, BLOCK_R=block_r, BLOCK_C=block_c,
+                 num_warps=4))
+
+
+def _ternarize_out(w, pack: bool) -> torch.Tensor:
+    R, C = w.shape
+    return torch.empty((R, _cdiv(C, 4) if pack else C),
+                       dtype=torch.uint8 if pack else torch.int8, device=w.device)
+
+
 def _ternarize_launch(w, scale_in, scale_out, numel: float, pack: bool, from_sum: bool):
     if w.stride(1) != 1:
         w = w.contiguous()
-    R, C = w.shape
-    out_cols = _cdiv(C, 4) if pack else C
-    out = torch.empty((R, out_cols), dtype=torch.uint8 if pack else torch.int8, device=w.device)
-    if R == 0 or out_cols == 0:
+    out = _ternarize_out(w, pack)
+    if out.numel() == 0:
         if from_sum:  # no program would write the scale
             scale_out.copy_(absmean_scale_reference(w, scale_in, int(numel)))
         return out
-    block_r, block_c = (8, 128) if pack else (16, 256)
-    _TERNARIZE((_cdiv(R, block_r), _cdiv(out_cols, block_c)),
-               (w, scale_in, out, scale_out, numel, R, C, w.stride(0), out_cols),
-               PACK=pack, FROM_SUM=from_sum, EPS_C=EPS, BLOCK_R=block_r, BLOCK_C=block_c,
-               num_warps=4)
+    grid, args, meta = _ternarize_args(w, scale_in, scale_out, out, numel, pack, from_sum)
+    _TERNARIZE(grid, args, **meta)
     return out
 
 
@@ -362,6 +374,32 @@ def ternarize_from_sum(w: torch.Tensor, abs_sum: torch.Tensor, numel: int,
     _check_scale_input("the abs-sum of the weight", abs_sum, w)
     scale = torch.empty((), dtype=torch.float32, device=w.device)
     return _ternarize_launch(w, abs_sum, scale, float(numel), pack, True), scale
+
+
+def prepare_ternarize_from_sum(w: torch.Tensor, abs_sum: torch.Tensor, numel: int,
+                               pack: bool = False):
+    """``ternarize_from_sum`` prepared for repeated calls: returns (launch, codes, scale).
+
+    Each ``launch()`` rewrites the ``codes`` and ``scale`` buffers from the current values
+    of ``w`` and ``abs_sum`` (what ``ternarize_from_sum`` would return), reusing the
+    buffers, the arguments and the compiled kernel: a few microseconds of host time per
+    call. ``w`` and ``abs_sum`` must stay the same tensors (their values may change);
+    ``w``'s rows must be contiguous (a copy would freeze its values).
+    """
+    _check_2d("ternarize weight", w)
+    check_float_input("ternarize weight", w)
+    _check_scale_input("the abs-sum of the weight", abs_sum, w)
+    if w.stride(1) != 1:
+        raise ValueError(f"BitNet: a prepared ternarize needs contiguous rows, got strides {w.stride()}")
+    scale = torch.empty((), dtype=torch.float32, device=w.device)
+    out = _ternarize_out(w, pack)
+    if out.numel() == 0:
+        def launch() -> None:
+            scale.copy_(absmean_scale_reference(w, abs_sum, int(numel)))
+    else:
+        grid, args, meta = _ternarize_args(w, abs_sum, scale, out, float(numel), pack, True)
+        launch = _TERNARIZE.prepare(grid, args, **meta)
+    return launch, out, scale
 
 
 def ternarize_reference(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -61,7 +61,10 @@ def _scenarios(rank):
     gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
     all_gather = _Counter(dist, gather_name, bytes_arg=1)
     pre_gather = _Counter(BitNetTrainingWeight, "fsdp_pre_all_gather")
-    packs = _Counter(ops, "pack_ternary_from_sum")
+    packs = _Counter(ops, "pack_ternary_from_sum")  # packing inside an all-gather
+    from titan_lowbit.bitnet.weight import PackedShard
+    repacks = _Counter(PackedShard, "repack")  # the post-optimizer hook's
+    prepares = _Counter(ops, "prepare_pack_ternary_from_sum")
     res = {}
 
     def build(precompute):
@@ -90,6 +93,7 @@ def _scenarios(rank):
         opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
         counts, losses, grads_ok, scales = [], [], [], []
         fwd_bwd_packs, hook_packs = [], []
+        prepares.reset()
         for i, x in enumerate(xs):
             all_reduce.reset(), all_gather.reset(), pre_gather.reset(), packs.reset()
             ls = step(sharded, opt_s, x)
@@ -101,15 +105,16 @@ def _scenarios(rank):
                                 for ps, pr in zip(sharded.parameters(), ref.parameters())))
             opt_s.step(), opt_r.step()
             opt_s.zero_grad(), opt_r.zero_grad()
-            all_reduce.reset(), packs.reset()
+            all_reduce.reset(), packs.reset(), repacks.reset()
             conv.post_optimizer_hook([sharded])
             counts.append(fwd_bwd + (all_reduce.calls,))
-            hook_packs.append(packs.calls)
+            hook_packs.append((packs.calls, repacks.calls))
             scales.append(max(
                 (p._local_tensor._precomputed_abs_sum / p.numel()
                  - p.full_tensor().abs().mean()).abs().item()
                 if p._local_tensor._precomputed_abs_sum is not None else float("inf")
                 for p in sharded.parameters()))
+        hook_prepares = prepares.calls
         # An in-place write through torch after the hook packed (here a sign flip, which
         # keeps sum |W| and so the precomputed scale): the next all-gather must pack the
         # new values, not hand over the stale packed shard.
@@ -127,6 +132,7 @@ def _scenarios(rank):
         res[tag] = dict(counts=counts, losses=losses, grad_err=grads_ok, scale_err=scales,
                         local_types={type(p._local_tensor).__name__ for p in sharded.parameters()},
                         fwd_bwd_packs=fwd_bwd_packs, hook_packs=hook_packs,
+                        hook_prepares=hook_prepares,
                         flipped_equal=torch.equal(flipped, fresh), flipped_packs=flipped_packs,
                         flipped_err=(flipped - flipped_ref).abs().max().item(),
                         flipped_scale=flipped_ref.abs().max().item())
@@ -199,16 +205,19 @@ def test_precomputed_scales_equal_global_abs_mean(results):
 
 
 def test_precompute_packs_each_weight_once_per_step(results):
-    # With precomputed scales the post-optimizer hook packs every gathered weight once,
-    # and the next step's forward and backward all-gathers pack nothing. Step 1 runs
-    # before any hook: FSDP's all-gathers pack (forward and backward re-gather).
+    # With precomputed scales the post-optimizer hook re-packs every gathered weight once,
+    # into buffers prepared at its first call, and the next step's forward and backward
+    # all-gathers pack nothing. Step 1 runs before any hook: FSDP's all-gathers pack
+    # (forward and backward re-gather).
     pre = results["pre"]
     assert pre["fwd_bwd_packs"][0] >= 2 * len(LAYERS)
     assert pre["fwd_bwd_packs"][1:] == [0] * (len(pre["fwd_bwd_packs"]) - 1)
-    assert pre["hook_packs"] == [len(LAYERS)] * len(pre["hook_packs"])
+    assert pre["hook_packs"] == [(0, len(LAYERS))] * len(pre["hook_packs"])
+    assert pre["hook_prepares"] == len(LAYERS)
     nopre = results["nopre"]
     assert all(n >= 2 * len(LAYERS) for n in nopre["fwd_bwd_packs"])
-    assert nopre["hook_packs"] == [0] * len(nopre["hook_packs"])
+    assert nopre["hook_packs"] == [(0, 0)] * len(nopre["hook_packs"])
+    assert nopre["hook_prepares"] == 0
 
 
 def test_weights_written_after_the_hook_are_packed_anew(results):

@@ -150,6 +150,27 @@ def test_ternarize_from_sum_matches_reference(shape, dtype, pack):
         assert torch.equal(codes, bq.ternarize(w, g_ref, pack=pack))
 
 
+@pytest.mark.parametrize("shape", ROW_SHAPES)
+def test_prepared_ternarize_from_sum_follows_its_inputs(shape):
+    """A prepared launch (FSDP2's per-step re-pack) rewrites its buffers from the weight's
+    and the sum's current values: after every in-place change it returns what a fresh
+    ternarize_from_sum returns, in the same buffers."""
+    w = torch.randn(*shape, device=DEVICE) * 0.02
+    abs_sum = torch.zeros((), device=DEVICE)
+    numel = 2 * w.numel() + 1  # a global count, as under FSDP
+    launch, packed, g = bq.prepare_ternarize_from_sum(w, abs_sum, numel, pack=True)
+    buffers = (packed.data_ptr(), g.data_ptr())
+    for step in range(3):
+        w.copy_(torch.randn(*shape, device=DEVICE) * 0.02 * (step + 1))
+        abs_sum.fill_(torch.linalg.vector_norm(w, 1).item() * (1 + step))
+        launch()
+        want_packed, want_g = bq.ternarize_from_sum(w, abs_sum, numel, pack=True)
+        assert (packed.data_ptr(), g.data_ptr()) == buffers
+        assert torch.equal(g, want_g) and torch.equal(packed, want_packed)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        bq.prepare_ternarize_from_sum(w.t() if shape[0] > 1 else w[:, ::2], abs_sum, numel)
+
+
 def test_absmean_scale_reference_is_an_ieee_division():
     """sum / fp32(numel), correctly rounded, on every device (no reciprocal multiply)."""
     s = torch.tensor(7000.3, device=DEVICE)  # quotients above EPS

@@ -58,6 +58,8 @@ def _worker(fast: bool) -> None:
     t8_t = t8.t().contiguous()
     qd = torch.randint(-127, 128, (33, 80), dtype=torch.int8)
     packed = torch.randint(0, 255, (80, 64), dtype=torch.uint8)
+    w72 = torch.randn(72, 256)  # a specialization of its own: the prepared launch's first
+    prepared = bq.prepare_ternarize_from_sum(w72, s, w72.numel(), pack=True)  # goes through Triton
     cases = {
         "quantize_rows": (lambda: bq.quantize_rows(x), [x]),
         "quantize_rows_two_pass": (lambda: bq.quantize_rows(x, block_k=64), [x]),
@@ -66,6 +68,7 @@ def _worker(fast: bool) -> None:
         "ternarize_packed": (lambda: bq.ternarize(w, g, pack=True), [w, g]),
         "ternarize_from_sum": (lambda: bq.ternarize_from_sum(w, s, w.numel()), [w, s]),
         "ternarize_from_sum_packed": (lambda: bq.ternarize_from_sum(w, s, w.numel(), pack=True), [w, s]),
+        "ternarize_from_sum_prepared": (prepared[0], [w72, s, prepared[1], prepared[2]]),
         "unpack_ternary": (lambda: bq.unpack_ternary(packed, 256), [packed]),
         "int8_mm_pointer": (lambda: mm.int8_matmul_scaled(q8, t8, sx, g, torch.bfloat16, impl="pointer"),
                             [q8, t8, sx, g]),

@@ -271,6 +271,25 @@ def pack_ternary_from_sum(w: torch.Tensor, abs_sum: torch.Tensor,
     return _ternarize_from_sum(w, abs_sum, numel, pack=True)
 
 
+def prepare_pack_ternary_from_sum(w: torch.Tensor, abs_sum: torch.Tensor, numel: int):
+    """``pack_ternary_from_sum`` prepared for repeated calls: (launch, packed, scale), where
+    each ``launch()`` rewrites the ``packed`` and ``scale`` buffers from the current values
+    of ``w`` and ``abs_sum`` (same tensors every call). On CUDA the kernel launch is
+    prepared once (``bitnet_quant.prepare_ternarize_from_sum``); elsewhere the references
+    run and their result is copied into the buffers."""
+    if _on_gpu(w):
+        return _q.prepare_ternarize_from_sum(w, abs_sum, numel, pack=True)
+    packed = torch.empty((w.shape[0], (w.shape[1] + 3) // 4), dtype=torch.uint8, device=w.device)
+    scale = torch.empty((), dtype=torch.float32, device=w.device)
+
+    def launch() -> None:
+        p, g = _ternarize_from_sum(w, abs_sum, numel, pack=True)
+        packed.copy_(p)
+        scale.copy_(g)
+
+    return launch, packed, scale
+
+
 def unpack_ternary(packed: torch.Tensor, cols: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse of ``pack_ternary_from_sum``: int8 [R, cols], written into ``out`` when given."""
     if _on_gpu(packed):

@@ -110,9 +110,8 @@ class BitNetTrainingWeight(_RoutesLinear):
     # precompute_scales; the scale g = max(sum / numel, EPS) is derived in the kernels.
     _precomputed_abs_sum: torch.Tensor | None
     # This shard's FSDP2 all-gather input, packed by precompute_scales after the optimizer
-    # step for both all-gathers of the next step (forward and backward): (packed codes,
-    # scale g, the latent weight's version counter when packed).
-    _packed_shard: tuple[torch.Tensor, torch.Tensor, int] | None
+    # step for both all-gathers of the next step (forward and backward).
+    _packed_shard: PackedShard | None
     # FSDP2 all-gathers this weight (set by its first fsdp_pre_all_gather): only then does
     # precompute_scales pack it.
     _fsdp_gathered: bool
@@ -164,9 +163,9 @@ class BitNetTrainingWeight(_RoutesLinear):
         that steps with torch ops and no precompute after it) makes this pack anew. Our
         fused optimizer writes through Triton without a version bump, and the
         post-optimizer hook re-packs after every step."""
-        cached = self._packed_shard
-        if cached is not None and cached[2] == self._data._version:
-            return (cached[0],), (cached[1], self._data.shape[1])
+        shard = self._packed_shard
+        if shard is not None and shard.version == self._data._version:
+            return (shard.packed,), (shard.scale, self._data.shape[1], shard.token)
         if self._data.dim() != 2:
             raise ValueError(f"BitNet: FSDP2 gathers 2-D linear weights, got shape {tuple(outer_size)}")
         world = mesh.size()
@@ -190,12 +189,12 @@ class BitNetTrainingWeight(_RoutesLinear):
                 dist.all_reduce(abs_sum, group=tp_group)
         packed, scale = ops.pack_ternary_from_sum(self._data, abs_sum, numel)
         self._fsdp_gathered = True
-        return (packed,), (scale, self._data.shape[1])
+        return (packed,), (scale, self._data.shape[1], None)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """Unpack the gathered codes into int8 (into ``out``'s buffers after the first gather)."""
         (packed,) = all_gather_outputs
-        scale, cols = metadata
+        scale, cols, token = metadata
         if out is not None:
             if isinstance(out, DTensor):  # FSDP x TP: the unsharded param is a TP DTensor
                 out = out._local_tensor
@@ -205,11 +204,11 @@ class BitNetTrainingWeight(_RoutesLinear):
             # last forward, so the refill must not bump their version counters.
             with torch.autograd._unsafe_preserve_version_counter((out._codes, out._scale)):
                 ops.unpack_ternary(packed, cols, out=out._codes)
-                # A precomputed pack's scale is one tensor, never written again, for both
-                # gathers of a step: the backward's re-gather finds it copied already.
-                if out._scale_source is not scale:
+                # A precomputed pack (token: one per pack) serves both gathers of a step:
+                # the backward's re-gather finds its scale copied already.
+                if token is None or out._scale_token is not token:
                     out._scale.copy_(scale)
-                    out._scale_source = scale
+                    out._scale_token = token
             return None
         codes = ops.unpack_ternary(packed, cols)
         gathered = BitNetTernaryWeight(codes, scale.detach().clone(), param_dtype, self._int8_backward)
@@ -223,6 +222,34 @@ class BitNetTrainingWeight(_RoutesLinear):
 # step. At 1B on two GPUs that is about 2 ms of a 170 ms step, within run-to-run noise.
 BitNetTrainingWeight.fsdp_pre_all_gather.__signature__ = inspect.signature(
     BitNetTrainingWeight.fsdp_pre_all_gather)
+
+
+class PackedShard:
+    """A BitNet weight shard's FSDP2 all-gather input (packed codes and scale), re-packed
+    in place by ``precompute_scales`` after every optimizer step.
+
+    The buffers, the kernel's arguments and its compiled launch are prepared once, so a
+    re-pack costs one launch of host time. ``abs_sum`` is the buffer the precomputed
+    (all-reduced) sum |W| is copied into; ``version`` is the latent weight's version
+    counter at the last pack (the all-gather hands the pack over only while they match);
+    ``token`` is a fresh object per pack, which tells the backward's re-gather that the
+    forward's refill already copied this pack's scale.
+    """
+
+    __slots__ = ("data", "numel", "abs_sum", "launch", "packed", "scale", "version", "token")
+
+    def __init__(self, data: torch.Tensor, numel: int):
+        self.data, self.numel = data, numel
+        self.abs_sum = torch.zeros((), dtype=torch.float32, device=data.device)
+        self.launch, self.packed, self.scale = ops.prepare_pack_ternary_from_sum(data, self.abs_sum, numel)
+        self.version = None
+        self.token = None
+
+    def repack(self) -> None:
+        """Pack the latent weight's current values with the sum in ``abs_sum``."""
+        self.launch()
+        self.version = self.data._version
+        self.token = object()
 
 
 class BitNetTernaryWeight(_RoutesLinear):
@@ -244,8 +271,9 @@ class BitNetTernaryWeight(_RoutesLinear):
         self._codes = codes
         self._scale = scale
         self._int8_backward = int8_backward
-        # The tensor _scale was last copied from by FSDP2's refill (fsdp_post_all_gather).
-        self._scale_source = None
+        # The PackedShard token of the pack whose scale FSDP2's refill last copied into
+        # _scale (fsdp_post_all_gather).
+        self._scale_token = None
 
     def __repr__(self) -> str:
         return (f"BitNetTernaryWeight(shape={tuple(self.shape)}, dtype={self.dtype}, "
@@ -336,12 +364,23 @@ def precompute_scales(params: Iterable[torch.Tensor]) -> int:
             for group in groups:  # mesh-dim order: the per-layer path reduces in the same order
                 dist.all_reduce(sums, group=group)
                 issued += 1
+            shards, shard_sums = [], []
             for (w, numel), s in zip(weights, sums.unbind(0)):
                 w._precomputed_abs_sum = s
                 if w._fsdp_gathered:
-                    # Packed here, while the GPU runs the optimizer step, not inside
-                    # FSDP2's all-gathers on the forward's and backward's critical path.
-                    # FSDP2's root forward makes the all-gather streams wait for this one.
-                    packed, scale = ops.pack_ternary_from_sum(w._data, s, numel)
-                    w._packed_shard = (packed, scale, w._data._version)
+                    shard = w._packed_shard
+                    if shard is None or shard.data is not w._data or shard.numel != numel:
+                        shard = w._packed_shard = PackedShard(w._data, numel)
+                    shards.append(shard)
+                    shard_sums.append(s)
+            if shards:
+                # Packed here, while the GPU runs the optimizer step, not inside FSDP2's
+                # all-gathers on the forward's and backward's critical path. FSDP2's root
+                # forward makes the all-gather streams wait for this stream (an event set
+                # with FSDPModule.set_post_optim_event must be recorded after this hook),
+                # and this stream ran the last step's backward after its all-gathers had
+                # read the buffers rewritten here.
+                torch._foreach_copy_([sh.abs_sum for sh in shards], shard_sums)
+                for shard in shards:
+                    shard.repack()
     return issued
