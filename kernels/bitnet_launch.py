@@ -175,7 +175,6 @@ class FastKernel:
                             f"runtime arguments, got {len(args)}")
         self.remember(key, self.kernel[grid](*args, **meta), meta)
 
-
     def prepare(self, grid: tuple, args: tuple, **meta) -> Callable[[], None]:
         """``kernel[grid](*args, **meta)`` as a zero-argument launch for arguments that are
         the same tensors at every call (buffers rewritten in place, never reallocated):

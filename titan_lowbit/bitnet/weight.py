@@ -24,6 +24,9 @@ converter's post_optimizer_hook) or, when absent, all-reduced per layer inside
 ``fsdp_pre_all_gather`` (over the FSDP shards, then over the module's
 ``bitnet_tp_group`` under tensor parallelism, see ``tensor_parallel.py``). The scale
 travels in the all-gather metadata (every rank holds the same value), not in the payload.
+With precomputed sums, the packing itself also moves out of the all-gathers: the same hook
+re-packs every gathered shard into buffers kept between steps (``PackedShard``), and both
+all-gathers of the next step hand them over.
 """
 
 from __future__ import annotations
@@ -164,7 +167,7 @@ class BitNetTrainingWeight(_RoutesLinear):
         fused optimizer writes through Triton without a version bump, and the
         post-optimizer hook re-packs after every step."""
         shard = self._packed_shard
-        if shard is not None and shard.version == self._data._version:
+        if shard is not None and shard.data is self._data and shard.version == self._data._version:
             return (shard.packed,), (shard.scale, self._data.shape[1], shard.token)
         if self._data.dim() != 2:
             raise ValueError(f"BitNet: FSDP2 gathers 2-D linear weights, got shape {tuple(outer_size)}")
@@ -339,6 +342,8 @@ def precompute_scales(params: Iterable[torch.Tensor]) -> int:
     One all-reduce of the stacked local |W| sums per sharded mesh dimension replaces one
     all-reduce per layer: one in total for a model sharded by FSDP, one over the FSDP and
     one over the TP ranks for FSDP x TP. Returns the number of all-reduces issued.
+    Every weight FSDP2 has all-gathered is then re-packed into its ``PackedShard``, the
+    all-gather input that the next step's forward and backward all-gathers hand over.
     Unsharded weights need no precompute (their forward sees the whole tensor) and are
     skipped.
     """
@@ -367,7 +372,9 @@ def precompute_scales(params: Iterable[torch.Tensor]) -> int:
             shards, shard_sums = [], []
             for (w, numel), s in zip(weights, sums.unbind(0)):
                 w._precomputed_abs_sum = s
-                if w._fsdp_gathered:
+                # (A shard with strided rows, which FSDP2 does not make, keeps packing
+                # inside its all-gathers: a prepared launch cannot copy it to contiguous.)
+                if w._fsdp_gathered and w._data.stride(1) == 1:
                     shard = w._packed_shard
                     if shard is None or shard.data is not w._data or shard.numel != numel:
                         shard = w._packed_shard = PackedShard(w._data, numel)
