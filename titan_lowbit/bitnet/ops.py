@@ -279,8 +279,7 @@ def prepare_pack_ternary_from_sum(w: torch.Tensor, abs_sum: torch.Tensor, numel:
     run and their result is copied into the buffers."""
     if _on_gpu(w):
         return _q.prepare_ternarize_from_sum(w, abs_sum, numel, pack=True)
-    packed = torch.empty((w.shape[0], (w.shape[1] + 3) // 4), dtype=torch.uint8, device=w.device)
-    scale = torch.empty((), dtype=torch.float32, device=w.device)
+    packed, scale = _ternarize_from_sum(w, abs_sum, numel, pack=True)  # the buffers
 
     def launch() -> None:
         p, g = _ternarize_from_sum(w, abs_sum, numel, pack=True)
