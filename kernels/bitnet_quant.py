@@ -360,6 +360,12 @@ def ternarize(w: torch.Tensor, scale: torch.Tensor, pack: bool = False) -> torch
     return _ternarize_launch(w, scale, scale, 1.0, pack, False)
 
 
+def _check_from_sum_inputs(w: torch.Tensor, abs_sum: torch.Tensor) -> None:
+    _check_2d("ternarize weight", w)
+    check_float_input("ternarize weight", w)
+    _check_scale_input("the abs-sum of the weight", abs_sum, w)
+
+
 def ternarize_from_sum(w: torch.Tensor, abs_sum: torch.Tensor, numel: int,
                        pack: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Ternary codes of a 2-D weight and its abs-mean scale from ``abs_sum`` = sum |W|, in
@@ -369,9 +375,7 @@ def ternarize_from_sum(w: torch.Tensor, abs_sum: torch.Tensor, numel: int,
     all-reduced sum and the global element count. The scale is the one
     ``absmean_scale_reference(w, abs_sum, numel)`` computes (an IEEE division by fp32(numel)).
     """
-    _check_2d("ternarize weight", w)
-    check_float_input("ternarize weight", w)
-    _check_scale_input("the abs-sum of the weight", abs_sum, w)
+    _check_from_sum_inputs(w, abs_sum)
     scale = torch.empty((), dtype=torch.float32, device=w.device)
     return _ternarize_launch(w, abs_sum, scale, float(numel), pack, True), scale
 
@@ -386,9 +390,7 @@ def prepare_ternarize_from_sum(w: torch.Tensor, abs_sum: torch.Tensor, numel: in
     call. ``w`` and ``abs_sum`` must stay the same tensors (their values may change);
     ``w``'s rows must be contiguous (a copy would freeze its values).
     """
-    _check_2d("ternarize weight", w)
-    check_float_input("ternarize weight", w)
-    _check_scale_input("the abs-sum of the weight", abs_sum, w)
+    _check_from_sum_inputs(w, abs_sum)
     if w.stride(1) != 1:
         raise ValueError(f"BitNet: a prepared ternarize needs contiguous rows, got strides {w.stride()}")
     scale = torch.empty((), dtype=torch.float32, device=w.device)
