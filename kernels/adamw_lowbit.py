@@ -250,14 +250,20 @@ def _dyn_decode(code, tab, M: tl.constexpr, NMAG: tl.constexpr, SIGNED: tl.const
 
 
 @triton.jit
-def _lin4_encode(x):
-    q = (tl.abs(x) * 16.0 - 0.5).to(tl.int32)  # truncation; negatives clamp to 0 below
-    return tl.minimum(tl.maximum(q, 0), 15)
+def _lin4_encode(v, inv16):
+    """Code of v >= 0 (the second moment) in a block with 16 / absmax = inv16: the nearest
+    (j + 1) / 16 to v / absmax, ties down, is trunc(v * inv16 - 0.5). v * inv16 lies in
+    [0, 16 + 16 ulp] (v <= absmax), so the code is in [0, 15] without a clamp (NaN: 0 on
+    the GPU's conversion, and an integer whose low nibble is 0 under the interpreter).
+    16 / absmax is exact, so this equals coding v * (1 / absmax) scaled by 16."""
+    return (v * inv16 - 0.5).to(tl.int32)
 
 
 @triton.jit
-def _lin4_decode(code):
-    return (code.to(tl.int32) + 1).to(tl.float32) * 0.0625
+def _lin4_decode(code, absmax):
+    """(code + 1) / 16 * absmax, as (code + 1) * (absmax / 16): the same product, one
+    multiply per element (absmax / 16 is exact)."""
+    return (code.to(tl.int32) + 1).to(tl.float32) * (absmax * 0.0625)[:, None]
 
 
 @triton.jit
@@ -296,34 +302,42 @@ def _fp8_decode(code, HW_CAST: tl.constexpr):
 
 
 @triton.jit
-def _decode(code, tab, CODEC: tl.constexpr, HW_CAST: tl.constexpr):
+def _decode(code, absmax, tab, CODEC: tl.constexpr, HW_CAST: tl.constexpr):
+    """Values of a tile's codes [NB, QBLOCK] in blocks with the given absmax [NB]."""
     if CODEC == _K_CODEC_LIN4_NOZERO:
-        return _lin4_decode(code)
-    elif CODEC == _K_CODEC_FP8_E4M3:
-        return _fp8_decode(code, HW_CAST)
-    elif CODEC == _K_CODEC_DYN8_SIGNED:
-        return _dyn_decode(code, tab, _K_DYN8S_M, _K_DYN8S_NMAG, True)
-    elif CODEC == _K_CODEC_DYN8_UNSIGNED:
-        return _dyn_decode(code, tab, _K_DYN8U_M, _K_DYN8U_NMAG, False)
+        out = _lin4_decode(code, absmax)
     else:
-        return _dyn_decode(code, tab, _K_DYN4_M, _K_DYN4_NMAG, True)
+        if CODEC == _K_CODEC_FP8_E4M3:
+            val = _fp8_decode(code, HW_CAST)
+        elif CODEC == _K_CODEC_DYN8_SIGNED:
+            val = _dyn_decode(code, tab, _K_DYN8S_M, _K_DYN8S_NMAG, True)
+        elif CODEC == _K_CODEC_DYN8_UNSIGNED:
+            val = _dyn_decode(code, tab, _K_DYN8U_M, _K_DYN8U_NMAG, False)
+        else:
+            val = _dyn_decode(code, tab, _K_DYN4_M, _K_DYN4_NMAG, True)
+        out = val * absmax[:, None]
+    return out
 
 
 @triton.jit
-def _encode(x, tab, etab, CODEC: tl.constexpr, HW_CAST: tl.constexpr):
+def _encode(x, inv, tab, etab, CODEC: tl.constexpr, HW_CAST: tl.constexpr):
+    """Codes of a tile's values [NB, QBLOCK] in blocks with 1 / absmax = inv [NB]."""
     if CODEC == _K_CODEC_LIN4_NOZERO:
-        return _lin4_encode(x)
-    elif CODEC == _K_CODEC_FP8_E4M3:
-        return _fp8_encode(x, HW_CAST)
-    elif CODEC == _K_CODEC_DYN8_SIGNED:
-        return _dyn_encode(x, tab, etab, _K_DYN8S_M, _K_DYN8S_NMAG, True,
-                           _K_ENC8S_SHIFT, _K_ENC8S_SIZE, _K_ENC8S_WINDOW)
-    elif CODEC == _K_CODEC_DYN8_UNSIGNED:
-        return _dyn_encode(x, tab, etab, _K_DYN8U_M, _K_DYN8U_NMAG, False,
-                           _K_ENC8U_SHIFT, _K_ENC8U_SIZE, _K_ENC8U_WINDOW)
+        codes = _lin4_encode(x, (inv * 16.0)[:, None])
     else:
-        return _dyn_encode(x, tab, etab, _K_DYN4_M, _K_DYN4_NMAG, True,
-                           _K_ENC4_SHIFT, _K_ENC4_SIZE, _K_ENC4_WINDOW)
+        xn = x * inv[:, None]
+        if CODEC == _K_CODEC_FP8_E4M3:
+            codes = _fp8_encode(xn, HW_CAST)
+        elif CODEC == _K_CODEC_DYN8_SIGNED:
+            codes = _dyn_encode(xn, tab, etab, _K_DYN8S_M, _K_DYN8S_NMAG, True,
+                                _K_ENC8S_SHIFT, _K_ENC8S_SIZE, _K_ENC8S_WINDOW)
+        elif CODEC == _K_CODEC_DYN8_UNSIGNED:
+            codes = _dyn_encode(xn, tab, etab, _K_DYN8U_M, _K_DYN8U_NMAG, False,
+                                _K_ENC8U_SHIFT, _K_ENC8U_SIZE, _K_ENC8U_WINDOW)
+        else:
+            codes = _dyn_encode(xn, tab, etab, _K_DYN4_M, _K_DYN4_NMAG, True,
+                                _K_ENC4_SHIFT, _K_ENC4_SIZE, _K_ENC4_WINDOW)
+    return codes
 
 
 @triton.jit
@@ -359,7 +373,7 @@ def _load_state(base, sbase, soff, tab, eptr_off, cptr_off, bidx, bmask, emask, 
             codes = tl.interleave(packed & 15, packed >> 4)
         else:
             codes = _ld(base + cptr_off, emask, EVEN)
-        return _decode(codes, tab, CODEC, HW_CAST) * absmax[:, None]
+        return _decode(codes, absmax, tab, CODEC, HW_CAST)
 
 
 @triton.jit
@@ -377,7 +391,7 @@ def _store_state(x, base, sbase, soff, tab, etab, eptr_off, cptr_off, bidx, bmas
             x = tl.where(emask, x, 0.0)
         absmax = tl.max(tl.abs(x), axis=1)
         inv = tl.div_rn(tl.full(absmax.shape, 1.0, tl.float32), tl.where(absmax > 0, absmax, 1.0))
-        codes = _encode(x * inv[:, None], tab, etab, CODEC, HW_CAST)
+        codes = _encode(x, inv, tab, etab, CODEC, HW_CAST)
         _st(sbase + soff + bidx, absmax, bmask, EVEN)
         if CODEC == _K_CODEC_DYN4_SIGNED or CODEC == _K_CODEC_LIN4_NOZERO:
             lo, hi = tl.split(tl.reshape(codes, [NB, QBLOCK // 2, 2]))

@@ -131,13 +131,15 @@ def _dyn_decode(code: torch.Tensor, codec: int) -> torch.Tensor:
     return codec_tables(str(code.device))[codec][TABLE_LUT + code.to(torch.int64)]
 
 
-def _lin4_encode(x: torch.Tensor) -> torch.Tensor:
-    q = (x.abs() * 16.0 - 0.5).to(torch.int32)
-    return q.clamp(0, 15)
+def _lin4_encode(v: torch.Tensor, inv16: "torch.Tensor | float" = 16.0) -> torch.Tensor:
+    """Codes of v >= 0 in blocks with 16 / absmax = inv16 (16: v already normalized):
+    trunc(v * inv16 - 0.5), in [0, 15] without a clamp (twin of the kernel's)."""
+    return (v * inv16 - 0.5).to(torch.int32)
 
 
-def _lin4_decode(code: torch.Tensor) -> torch.Tensor:
-    return (code.to(torch.int32) + 1).to(torch.float32) * 0.0625
+def _lin4_decode(code: torch.Tensor, absmax: "torch.Tensor | float" = 1.0) -> torch.Tensor:
+    """(code + 1) / 16 * absmax, computed as (code + 1) * (absmax / 16) (twin of the kernel's)."""
+    return (code.to(torch.int32) + 1).to(torch.float32) * (absmax * 0.0625)
 
 
 def _fp8_encode(x: torch.Tensor) -> torch.Tensor:
@@ -189,7 +191,10 @@ def quantize_blockwise(x: torch.Tensor, codec: int, block: int) -> tuple[torch.T
     xb = xp.view(rows, bpr, block)
     absmax = xb.abs().amax(dim=-1)
     inv = div_rn(torch.ones_like(absmax), torch.where(absmax > 0, absmax, torch.ones_like(absmax)))
-    codes = encode(xb * inv[..., None], codec).view(rows, bpr * block)
+    if codec == CODEC_LIN4_NOZERO:  # the kernel folds the 16 of the code book into 1 / absmax
+        codes = _lin4_encode(xb, (inv * 16.0)[..., None]).view(rows, bpr * block)
+    else:
+        codes = encode(xb * inv[..., None], codec).view(rows, bpr * block)
     if codec in PACKED_4BIT:
         nbytes = (cols + 1) // 2
         pairs = codes[:, : 2 * nbytes].view(rows, nbytes, 2)
@@ -206,6 +211,8 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, codec: int, 
         c = torch.stack([c & 15, c >> 4], dim=-1).view(c.shape[0], -1)
     c = c[:, :cols]
     scale = absmax.repeat_interleave(block, dim=1)[:, :cols]
+    if codec == CODEC_LIN4_NOZERO:  # the kernel folds the 1/16 of the code book into absmax
+        return _lin4_decode(c, scale)
     return decode(c, codec) * scale
 
 
