@@ -168,7 +168,7 @@ class BitNetTrainingWeight(_RoutesLinear):
         post-optimizer hook re-packs after every step."""
         shard = self._packed_shard
         if shard is not None and shard.data is self._data and shard.version == self._data._version:
-            return (shard.packed,), (shard.scale, self._data.shape[1], shard.token)
+            return (shard.packed,), (shard.scale, self._data.shape[1], True)
         if self._data.dim() != 2:
             raise ValueError(f"BitNet: FSDP2 gathers 2-D linear weights, got shape {tuple(outer_size)}")
         world = mesh.size()
@@ -192,12 +192,17 @@ class BitNetTrainingWeight(_RoutesLinear):
                 dist.all_reduce(abs_sum, group=tp_group)
         packed, scale = ops.pack_ternary_from_sum(self._data, abs_sum, numel)
         self._fsdp_gathered = True
-        return (packed,), (scale, self._data.shape[1], None)
+        return (packed,), (scale, self._data.shape[1], False)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        """Unpack the gathered codes into int8 (into ``out``'s buffers after the first gather)."""
+        """Unpack the gathered codes into int8 (into ``out``'s buffers after the first gather).
+
+        ``persistent``: the scale is a ``PackedShard``'s buffer, which each re-pack rewrites
+        in place; the gathered weight then reads that buffer itself (no device copy per
+        gather). A scale made inside this gather is copied: FSDP2 drops the metadata, and
+        with it the tensor, as soon as this call returns."""
         (packed,) = all_gather_outputs
-        scale, cols, token = metadata
+        scale, cols, persistent = metadata
         if out is not None:
             if isinstance(out, DTensor):  # FSDP x TP: the unsharded param is a TP DTensor
                 out = out._local_tensor
@@ -205,16 +210,16 @@ class BitNetTrainingWeight(_RoutesLinear):
                 raise TypeError(f"BitNet: FSDP2 passed out={type(out).__name__}, expected BitNetTernaryWeight")
             # FSDP2 refills the same buffers every step; autograd may hold them from the
             # last forward, so the refill must not bump their version counters.
-            with torch.autograd._unsafe_preserve_version_counter((out._codes, out._scale)):
+            with torch.autograd._unsafe_preserve_version_counter((out._codes,)):
                 ops.unpack_ternary(packed, cols, out=out._codes)
-                # A precomputed pack (token: one per pack) serves both gathers of a step:
-                # the backward's re-gather finds its scale copied already.
-                if token is None or out._scale_token is not token:
-                    out._scale.copy_(scale)
-                    out._scale_token = token
+            # Not FSDP2's buffer: the weight takes a new tensor instead of a refill (what
+            # autograd saved from the last forward keeps its own), and never writes into a
+            # shard's buffer.
+            out._scale = scale if persistent else scale.clone()
             return None
         codes = ops.unpack_ternary(packed, cols)
-        gathered = BitNetTernaryWeight(codes, scale.detach().clone(), param_dtype, self._int8_backward)
+        gathered = BitNetTernaryWeight(codes, scale if persistent else scale.clone(), param_dtype,
+                                       self._int8_backward)
         return gathered, (codes,)
 
 
@@ -234,25 +239,22 @@ class PackedShard:
     The buffers, the kernel's arguments and its compiled launch are prepared once, so a
     re-pack costs one launch of host time. ``abs_sum`` is the buffer the precomputed
     (all-reduced) sum |W| is copied into; ``version`` is the latent weight's version
-    counter at the last pack (the all-gather hands the pack over only while they match);
-    ``token`` is a fresh object per pack, which tells the backward's re-gather that the
-    forward's refill already copied this pack's scale.
+    counter at the last pack (the all-gather hands the pack over only while they match).
+    The gathered weights read ``scale`` itself, so a re-pack updates them too.
     """
 
-    __slots__ = ("data", "numel", "abs_sum", "launch", "packed", "scale", "version", "token")
+    __slots__ = ("data", "numel", "abs_sum", "launch", "packed", "scale", "version")
 
     def __init__(self, data: torch.Tensor, numel: int):
         self.data, self.numel = data, numel
         self.abs_sum = torch.zeros((), dtype=torch.float32, device=data.device)
         self.launch, self.packed, self.scale = ops.prepare_pack_ternary_from_sum(data, self.abs_sum, numel)
         self.version = None
-        self.token = None
 
     def repack(self) -> None:
         """Pack the latent weight's current values with the sum in ``abs_sum``."""
         self.launch()
         self.version = self.data._version
-        self.token = object()
 
 
 class BitNetTernaryWeight(_RoutesLinear):
@@ -274,9 +276,6 @@ class BitNetTernaryWeight(_RoutesLinear):
         self._codes = codes
         self._scale = scale
         self._int8_backward = int8_backward
-        # The PackedShard token of the pack whose scale FSDP2's refill last copied into
-        # _scale (fsdp_post_all_gather).
-        self._scale_token = None
 
     def __repr__(self) -> str:
         return (f"BitNetTernaryWeight(shape={tuple(self.shape)}, dtype={self.dtype}, "
