@@ -253,8 +253,9 @@ def _dyn_decode(code, tab, M: tl.constexpr, NMAG: tl.constexpr, SIGNED: tl.const
 def _lin4_encode(v, inv16):
     """Code of v >= 0 (the second moment) in a block with 16 / absmax = inv16: the nearest
     (j + 1) / 16 to v / absmax, ties down, is trunc(v * inv16 - 0.5). v * inv16 lies in
-    [0, 16 + 16 ulp] (v <= absmax), so the code is in [0, 15] without a clamp (NaN: 0 on
-    the GPU's conversion, and an integer whose low nibble is 0 under the interpreter).
+    [0, 16 + 16 ulp] (v <= absmax), so the code is in [0, 15] without a clamp. (A NaN
+    converts to 0 on the GPU and to INT_MIN under the interpreter and in the reference,
+    which packs into the same byte as code 0.)
     16 / absmax is exact, so this equals coding v * (1 / absmax) scaled by 16."""
     return (v * inv16 - 0.5).to(tl.int32)
 

@@ -215,11 +215,11 @@ class BitNetTrainingWeight(_RoutesLinear):
             # Not FSDP2's buffer: the weight takes a new tensor instead of a refill (what
             # autograd saved from the last forward keeps its own), and never writes into a
             # shard's buffer.
-            out._scale = scale if persistent else scale.clone()
+            out._scale = scale if persistent else scale.detach().clone()
             return None
         codes = ops.unpack_ternary(packed, cols)
-        gathered = BitNetTernaryWeight(codes, scale if persistent else scale.clone(), param_dtype,
-                                       self._int8_backward)
+        gathered = BitNetTernaryWeight(codes, scale if persistent else scale.detach().clone(),
+                                       param_dtype, self._int8_backward)
         return gathered, (codes,)
 
 
