@@ -76,10 +76,12 @@ TABLE_SIZE = TABLE_MID + 256
 # changes no code because every codec's smallest midpoint lies above the window's lower
 # edge, also checked). Small tables matter in shared memory: a table of at most 32 words
 # is read without bank conflicts, and each program stores its tables once. The 4-bit
-# dynamic map needs 1 bit and 32 buckets (32 bytes); the 8-bit maps 7 bits and 4096
-# buckets (floats from 2**-31 up).
+# dynamic map needs 1 bit, and its window is its whole table of 256 buckets (no clamp
+# below; the kernel widens it to 1 KB of int32 words, whose reads need no byte
+# extraction; the buckets its values use lie in a few consecutive words); the 8-bit maps
+# 7 bits and 4096 buckets (floats from 2**-31 up).
 ENC_MANT_BITS = {CODEC_DYN8_SIGNED: 7, CODEC_DYN8_UNSIGNED: 7, CODEC_DYN4_SIGNED: 1}
-ENC_WINDOW = {CODEC_DYN8_SIGNED: 4096, CODEC_DYN8_UNSIGNED: 4096, CODEC_DYN4_SIGNED: 32}
+ENC_WINDOW = {CODEC_DYN8_SIGNED: 4096, CODEC_DYN8_UNSIGNED: 4096, CODEC_DYN4_SIGNED: 256}
 ENC_ROW = 128 << max(ENC_MANT_BITS.values())  # row stride of the stacked encode tables
 
 
