@@ -22,7 +22,7 @@ Math, per element, all in fp32 (llm.c style; names as in the code)::
               same for v
     weight:   fp32 param:          p = p_new
               bf16, NEAREST:       p = bf16_rne(p_new)
-              bf16, STOCHASTIC:    p = bf16(truncate(bits(p_new) + (hash(idx) & 0xFFFF)))
+              bf16, STOCHASTIC:    p = bf16(truncate(bits(p_new) + (hash(idx) >> 16)))   (NaN -> 0x7FC0)
                                    hash(idx) = mix32(((lo32(idx) ^ tensor_key ^ step_key) + hi32(idx) * GOLDEN32))
               bf16, KAHAN:         s = (p_new - p) + c;  p' = bf16_rne(p + s);  c = bf16_rne(s - (p' - p))
               bf16, MASTER:        the math above runs on the fp32 master w; w = p_new; p = bf16_rne(w)
@@ -182,32 +182,50 @@ def _div(a, b, HW_CAST: tl.constexpr):
 
 
 @triton.jit
-def _mix32(h):
-    """MurmurHash3 fmix32 on uint32."""
-    h = h ^ (h >> 16)
+def _recip(x, HW_CAST: tl.constexpr):
+    """1 / x for the block scales: PTX ``rcp.approx.f32`` on a GPU (1 ulp, over the whole
+    fp32 range, subnormals included: no slow path, unlike the correctly rounded division,
+    which cost about 20 instructions per thread and 8 registers); exact under the
+    interpreter. A code can then differ by one step where a value sits on a rounding
+    boundary, as with the fused multiply-adds."""
+    if HW_CAST:
+        return tl.inline_asm_elementwise("rcp.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    return tl.div_rn(tl.full(x.shape, 1.0, tl.float32), x)
+
+
+@triton.jit
+def _mix32_top(h, key):
+    """MurmurHash3 fmix32 of ``h ^ key`` (uint32) without its last step ``h ^= h >> 16``,
+    which leaves the top 16 bits as they are: those bits are mix32(h ^ key) >> 16, the only
+    ones the caller uses. The first step is written ``h ^ (h >> 16) ^ (key ^ (key >> 16))``
+    (the same value): one three-way xor per element, the key's part once per program."""
+    h = h ^ (h >> 16) ^ (key ^ (key >> 16))
     h = h * 0x85EBCA6B
     h = h ^ (h >> 13)
     h = h * 0xC2B2AE35
-    h = h ^ (h >> 16)
     return h
 
 
 @triton.jit
-def _bf16_stochastic(x, gidx, key, HW_CAST: tl.constexpr, IDX32: tl.constexpr):
+def _bf16_stochastic(x, gidx, key, IDX32: tl.constexpr):
     """fp32 -> bf16 stochastic rounding: add 16 random bits below bf16's mantissa, truncate.
+    The bits are mix32(lo ^ key + hi * GOLDEN32) >> 16 (the finalizer's best-mixed half),
     key = tensor_key ^ step_key; one mix32 round per element (the finalizer alone avalanches).
     IDX32: every global index of the launch is below 2**32 and gidx is its uint32 (hi = 0,
-    so the hash is the same function with fewer instructions)."""
+    so the hash is the same function with fewer instructions).
+    Infinities stay infinite (their low half is zero: the sum cannot carry) and a finite
+    value may round up to inf past bf16's largest value, as a cast would; a NaN, whose
+    pattern the sum could carry into the sign bit, becomes bf16's quiet NaN 0x7FC0. Pure
+    integer arithmetic, so the interpreter and the GPU give the same bits."""
     if IDX32:
-        h = _mix32(gidx ^ key)
+        h = _mix32_top(gidx, key)
     else:
         lo = (gidx & 0xFFFFFFFF).to(tl.uint32)
         hi = (gidx >> 32).to(tl.uint32)
-        h = _mix32((lo ^ key) + hi * _K_GOLDEN32)
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = ((bits + (h & 0xFFFF)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    finite = tl.abs(x) < float("inf")
-    return tl.where(finite, rounded, _bf16_rne(x, HW_CAST))
+        h = _mix32_top((lo ^ key) + hi * _K_GOLDEN32, 0)
+    bits = tl.where(x == x, x.to(tl.uint32, bitcast=True), 0x7FC00000)
+    return ((bits + (h >> 16)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -227,19 +245,22 @@ def _lookup(table, idx, SIZE: tl.constexpr, AS_I32: tl.constexpr = False):
 @triton.jit
 def _dyn_encode(x, tab, etab, M: tl.constexpr, NMAG: tl.constexpr, SIGNED: tl.constexpr,
                 SHIFT: tl.constexpr, SIZE: tl.constexpr, WINDOW: tl.constexpr):
-    """Nearest dynamic-tree code of x in [-1, 1]: bucket table (SIZE buckets, a float's
+    """Nearest dynamic-tree code of x in [-1, 1]: bucket table (SIZE buckets, |x|'s float
     bits >> SHIFT; its shared-memory window of the top WINDOW buckets, smaller values clamp
     into the window's first bucket, whose candidate is 0; the 4-bit map's window is its
     whole table), then one midpoint compare (see quant_maps.py for why one compare is
-    enough). NMAG = 2**M magnitudes."""
+    enough). NMAG = 2**M magnitudes. (The sign could come from x's bits in one instruction
+    fewer, but the 8-bit kernel with bf16 weights + SR then needs 72 registers instead of
+    64, a lower occupancy, and measured no faster.)"""
     LOW: tl.constexpr = SIZE - WINDOW
-    a = tl.abs(x)
-    idx = tl.minimum(a.to(tl.int32, bitcast=True) >> SHIFT, SIZE - 1)
+    bits = x.to(tl.int32, bitcast=True)
+    # |x|'s bucket: the mask drops the sign bit and the exponent's top bit (0 for |x| < 2)
+    idx = (bits >> SHIFT) & (SIZE - 1)
     if LOW > 0:
         idx = tl.maximum(idx - LOW, 0)  # the shared-memory window
     # A window of at most 256 buckets goes to shared memory as int32 words (1 KB).
     cand = _lookup(etab + LOW, idx, WINDOW, WINDOW <= 256).to(tl.int32)
-    p = cand + (a > _lookup(tab + _K_TABLE_MID, cand, NMAG)).to(tl.int32)
+    p = cand + (tl.abs(x) > _lookup(tab + _K_TABLE_MID, cand, NMAG)).to(tl.int32)
     if SIGNED:
         p = p | ((x < 0).to(tl.int32) << M)
     return p
@@ -398,7 +419,7 @@ def _store_state(x, base, sbase, soff, tab, etab, eptr_off, cptr_off, bidx, bmas
         if not EVEN:
             x = tl.where(emask, x, 0.0)
         absmax = tl.max(tl.abs(x), axis=1)
-        inv = tl.div_rn(tl.full(absmax.shape, 1.0, tl.float32), tl.where(absmax > 0, absmax, 1.0))
+        inv = _recip(tl.where(absmax > 0, absmax, 1.0), HW_CAST)
         codes = _encode(x, inv, tab, etab, CODEC, HW_CAST)
         _st(sbase + soff + bidx, absmax, bmask, EVEN)
         if CODEC == _K_CODEC_DYN4_SIGNED or CODEC == _K_CODEC_LIN4_NOZERO:
@@ -540,7 +561,7 @@ def _adamw_lowbit_kernel(
         if SR_IDX32:
             g_start = g_start.to(tl.uint32)
         gidx = g_start[:, None] + lane.to(g_start.dtype)
-        p_out = _bf16_stochastic(p_new, gidx, key, HW_CAST, SR_IDX32)
+        p_out = _bf16_stochastic(p_new, gidx, key, SR_IDX32)
         _st(pptr, p_out, emask, EVEN)
     elif UPDATE == _K_UPDATE_KAHAN:
         c = _ld(xptr, emask, EVEN).to(tl.float32)

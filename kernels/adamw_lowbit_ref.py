@@ -106,22 +106,23 @@ def stochastic_bits(gidx: torch.Tensor, tkey: int, skey: int) -> torch.Tensor:
 
 
 def bf16_stochastic(x: torch.Tensor, gidx: torch.Tensor, tkey: int, skey: int) -> torch.Tensor:
-    """fp32 -> bf16 stochastic rounding (twin of ``_bf16_stochastic``)."""
-    r = (stochastic_bits(gidx, tkey, skey) & 0xFFFF).to(torch.int32)
-    # int32 arithmetic on the float's bits: adding r < 2**16 to a finite float's pattern
+    """fp32 -> bf16 stochastic rounding (twin of ``_bf16_stochastic``): the top 16 bits of
+    the element's hash added below bf16's mantissa, then truncated; a NaN becomes bf16's
+    quiet NaN 0x7FC0."""
+    r = (stochastic_bits(gidx, tkey, skey) >> 16).to(torch.int32)
+    # int32 arithmetic on the float's bits: adding r < 2**16 to a non-NaN float's pattern
     # never carries past bit 31, and the arithmetic shift keeps the top 16 bits' pattern
-    rounded = ((_f32_bits(x) + r) >> 16).to(torch.int16).view(torch.bfloat16)
-    return torch.where(x.abs() < float("inf"), rounded, bf16_rne(x))
+    bits = torch.where(torch.isnan(x), torch.full_like(r, 0x7FC00000), _f32_bits(x))
+    return ((bits + r) >> 16).to(torch.int16).view(torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------
 # codecs
 # ---------------------------------------------------------------------------------------
 def _dyn_encode(x: torch.Tensor, codec: int, M: int, signed: bool) -> torch.Tensor:
-    a = x.abs()
-    cand = encode_tables(str(x.device))[codec][enc_bucket(a, codec)].to(torch.int64)
+    cand = encode_tables(str(x.device))[codec][enc_bucket(x, codec)].to(torch.int64)
     mid = codec_tables(str(x.device))[codec][TABLE_MID + cand]
-    p = (cand + (a > mid).to(torch.int64)).to(torch.int32)
+    p = (cand + (x.abs() > mid).to(torch.int64)).to(torch.int32)
     if signed:
         p = torch.where(x < 0, p | (1 << M), p)
     return p

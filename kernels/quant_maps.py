@@ -54,8 +54,8 @@ DYN_SIGNED = {CODEC_DYN8_SIGNED: True, CODEC_DYN8_UNSIGNED: False, CODEC_DYN4_SI
 #   decode: value = LUT[code]
 #   encode: a = |x|; cand = ENC[bucket(a)]; p = cand + (a > MID[cand]); sign bit on top
 # where bucket(a) is a's float32 bits >> enc_shift(codec) (its exponent and top
-# ENC_MANT_BITS[codec] mantissa bits: one bucket per value for every a < 2, so only an
-# upper clamp), ENC[b] is the number of
+# ENC_MANT_BITS[codec] mantissa bits: one bucket per value for every a < 2, the only
+# values encoded: normalized by the block's absmax), ENC[b] is the number of
 # midpoints MID[p] = (value(p) + value(p + 1)) / 2 below the bucket's lower edge, and every
 # bucket holds at most one midpoint (checked when the tables are built). So encode returns
 # exactly the nearest code (ties to the smaller magnitude), with two table reads instead of
@@ -119,10 +119,13 @@ def dyn_decode_arith(code: torch.Tensor, tab: torch.Tensor, M: int, signed: bool
     return val
 
 
-def enc_bucket(a: torch.Tensor, codec: int) -> torch.Tensor:
-    """Bucket index (int64) of non-negative float32 values in ``codec``'s encode table."""
-    idx = (a.contiguous().view(torch.int32) >> enc_shift(codec)).to(torch.int64)
-    return idx.clamp(max=enc_size(codec) - 1)
+def enc_bucket(x: torch.Tensor, codec: int) -> torch.Tensor:
+    """Bucket index (int64) of float32 values with ``|x| < 2`` in ``codec``'s encode table:
+    ``|x|``'s bits >> enc_shift, computed as ``(bits(x) >> enc_shift) & (size - 1)`` (the
+    mask drops the sign bit and the exponent's top bit, which is 0 below 2), as the kernel
+    does."""
+    idx = (x.contiguous().view(torch.int32) >> enc_shift(codec)) & (enc_size(codec) - 1)
+    return idx.to(torch.int64)
 
 
 @functools.lru_cache(maxsize=None)

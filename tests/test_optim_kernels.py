@@ -207,6 +207,49 @@ def test_stochastic_rounding_with_32_bit_global_indices(sr_dense):
     _run("8bit", torch.bfloat16, K.UPDATE_STOCHASTIC, seed=7, sr_dense=sr_dense, sr_below_2_32=True)
 
 
+@pytest.mark.parametrize("idx32", [True, False])
+def test_stochastic_rounding_of_special_values(idx32):
+    """NaNs (including the all-ones patterns whose sum with the random bits would carry into
+    the sign bit) stay NaN, infinities stay infinite, a finite value lands on one of its two
+    bf16 neighbours (bf16's largest value may round up to inf); the kernel's bits equal the
+    reference's on every pattern, finite or not."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def sr_kernel(x_ptr, out_ptr, gbase, key, N: tl.constexpr, IDX32: tl.constexpr):
+        offs = tl.arange(0, N)
+        gidx = (gbase + offs).to(tl.uint32) if IDX32 else gbase + offs.to(tl.int64)
+        out = K._bf16_stochastic(tl.load(x_ptr + offs), gidx, key.to(tl.uint32), IDX32)
+        tl.store(out_ptr + offs, out)
+
+    gen = torch.Generator().manual_seed(11)
+    # NaNs (all ones; -1 is the negative one; signalling; quiet; negative quiet), +-inf,
+    # bf16's largest value and -it, zeros, the smallest denormal, a low-half-only pattern
+    special = torch.tensor([0x7FFFFFFF, -1, 0x7F800001, 0x7FC00000, -0x400000, 0x7F800000, -0x800000,
+                            0x7F7FFFFF, -0x00800001, 0, -(2**31), 1, 0x7FFF], dtype=torch.int64)
+    n = 512
+    bits = torch.randint(-(2**31), 2**31, (n,), generator=gen, dtype=torch.int64)
+    bits[: special.numel()] = special
+    x = bits.to(torch.int32).view(torch.float32)
+    gbase = 2**32 - n if idx32 else 2**33 - 100  # idx32: the last index is 2**32 - 1
+    key = int(torch.randint(0, 2**31, (1,), generator=gen))
+    out = torch.empty(n, dtype=torch.bfloat16, device=DEV)
+    sr_kernel[(1,)](x.to(DEV), out, gbase, key, N=n, IDX32=idx32)
+    gidx = torch.arange(n, dtype=torch.int64) + gbase
+    want = R.bf16_stochastic(x, gidx, key, 0)
+    assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16))
+    got = want.float()
+    nan = torch.isnan(x)
+    assert torch.isnan(got[nan]).all() and not torch.isnan(got[~nan]).any()
+    inf = torch.isinf(x)
+    assert torch.equal(got[inf], x[inf])
+    fin = ~nan & ~inf
+    down = (x.view(torch.int32) & ~0xFFFF).view(torch.float32)  # truncated: one neighbour
+    up = (down.view(torch.int32) + 0x10000).view(torch.float32)  # the other, away from 0 (may be inf)
+    assert ((got[fin] == down[fin]) | (got[fin] == up[fin])).all()
+
+
 def test_hash_matches_host_definition():
     h = torch.tensor([0, 1, 2**31, 2**32 - 1, 123456789], dtype=torch.int64)
     assert R.mix32(h).tolist() == [Q.mix32(int(v)) for v in h]

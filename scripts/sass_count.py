@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Count the SASS instructions of the fused AdamW kernel per element, without a GPU.
+
+The optimizer step is bound by instruction issue and shared-memory traffic, not DRAM
+(docs/optimizer.md), so the number of instructions per element is the figure to cut. This
+script compiles ``_adamw_lowbit_kernel`` for a Hopper target (sm_90 by default) with
+Triton's own compiler, ptxas and nvdisasm (all shipped in the triton wheel), for the launch
+family a configuration uses on the TinyLlama parameter set (aligned, whole tiles, dense
+stochastic-rounding indices below 2**32), and prints:
+
+    config, registers, shared memory, SASS instructions, instructions per element
+
+"per element" = (instructions at E elements per program - at E/2) / (elements per
+thread added), so the per-program part (metadata, table stores, block maxima) drops out. The counts are static
+(every instruction once); the kernel is straight-line apart from slow paths that never
+run, so they track what Nsight Compute executes. Needs a triton whose NVIDIA backend is
+installed (any CPU machine with the triton wheel):
+
+    python3 scripts/sass_count.py --format 8bit 4bit --dtype bfloat16 --update stochastic
+    python3 scripts/sass_count.py --format 4bit --dump /tmp/k.sass   # the SASS itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from titan_lowbit.kernels import adamw_lowbit as K
+import torch
+
+from titan_lowbit.optim.formats import STATE_FORMATS
+
+_TRITON_TYPE = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+def _signature(fmt, dtype: str, update: str) -> tuple[dict, dict]:
+    """Argument types and constexprs of one launch family (as the optimizer launches it)."""
+    wdt = _TRITON_TYPE[dtype]
+    quant = fmt.m_codec != K.CODEC_NONE
+    state = "u8" if quant else ("bf16" if fmt.plain_dtype == torch.bfloat16 else "fp32")
+    extra = {"master": "fp32", "kahan": "bf16"}.get(update, wdt) if dtype == "bfloat16" else wdt
+    sig = {
+        "tiles_ptr": "*i32", "meta_ptr": "*i64", "grad_offsets_ptr": "*i64",
+        "tables_ptr": "*fp32", "enc_tables_ptr": "*u8", "lr_ptr": "*fp32",
+        "p_base": f"*{wdt}", "g_base": f"*{wdt}", "m_base": f"*{state}", "v_base": f"*{state}",
+        "ms_base": "*fp32", "vs_base": "*fp32", "x_base": f"*{extra}",
+    }
+    for name in ("lr_value", "inv_bc1", "inv_sqrt_bc2", "beta1", "one_minus_beta1", "beta2",
+                 "one_minus_beta2", "eps", "wd"):
+        sig[name] = "fp32"
+    sig["skey"] = "i32"
+    const = dict(M_CODEC=fmt.m_codec, V_CODEC=fmt.v_codec,
+                 UPDATE=K.WEIGHT_UPDATES[update] if dtype == "bfloat16" else K.UPDATE_NEAREST,
+                 DECOUPLED=True, LR_IS_TENSOR=False, ALIGNED=True, EVEN=True, SR_DENSE=True,
+                 SR_IDX32=True, HW_CAST=True, QBLOCK=fmt.default_block)
+    return sig, const
+
+
+def compile_family(fmt, dtype: str, update: str, elems: int, warps: int, arch: int, maxnreg=None):
+    sig, const = _signature(fmt, dtype, update)
+    const["NB"] = max(1, elems // fmt.default_block)
+    for k in const:
+        sig[k] = "constexpr"
+    names = K._adamw_lowbit_kernel.arg_names
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v.startswith("*")}
+    src = ASTSource(fn=K._adamw_lowbit_kernel, signature=sig, constexprs=const, attrs=attrs)
+    target = GPUTarget("cuda", arch, 32)
+    backend = triton.compiler.make_backend(target)
+    opts = {"num_warps": warps}
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    options = backend.parse_options(opts)
+    return triton.compile(src, target=target, options=options.__dict__)
+
+
+def sass_of(cc) -> str:
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cc.asm["cubin"])
+        f.flush()
+        return subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", f.name], check=True,
+                              capture_output=True, text=True).stdout
+
+
+def resources(cc) -> tuple[int, int]:
+    """(registers per thread, shared memory bytes) that ptxas reports for the cubin."""
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cc.asm["cubin"])
+        f.flush()
+        out = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", f.name], check=True,
+                             capture_output=True, text=True).stdout
+    return int(re.search(r"REG:(\d+)", out).group(1)), cc.metadata.shared
+
+
+def count(sass: str) -> int:
+    """Instructions of the kernel body in a SASS listing: NOPs and the subroutines after it
+    (the slow paths of exact division, taken only for operands near the fp32 range ends) are
+    not counted."""
+    n = 0
+    for line in sass.splitlines():
+        if line.lstrip().startswith(".weak"):  # the never-taken slow paths (exact division) follow
+            break
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if m and not m.group(2).startswith("NOP"):
+            n += 1
+    return n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--format", nargs="+", default=["8bit", "4bit"], choices=sorted(STATE_FORMATS))
+    ap.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=sorted(_TRITON_TYPE))
+    ap.add_argument("--update", nargs="+", default=["stochastic"], choices=sorted(K.WEIGHT_UPDATES))
+    ap.add_argument("--elems", type=int, default=None, help="elements per program (default: the launch shape's)")
+    ap.add_argument("--warps", type=int, default=None)
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--maxnreg", type=int, default=None, help="register cap passed to ptxas")
+    ap.add_argument("--dump", default=None, help="write the SASS of the last configuration here")
+    args = ap.parse_args()
+    print(f"triton {triton.__version__}, sm_{args.arch}")
+    print(f"{'format':>6} {'weights':>9} {'update':>10} {'elems x warps':>13} {'regs':>5} {'smem':>6} "
+          f"{'SASS':>6} {'per elem':>9}")
+    for fname in args.format:
+        fmt = STATE_FORMATS[fname]
+        for dtype in args.dtype:
+            for update in (args.update if dtype == "bfloat16" else ["nearest"]):
+                cfg = K.AdamWConfig(fmt.m_codec, fmt.v_codec, fmt.plain_dtype == torch.bfloat16,
+                                    fmt.default_block, K.WEIGHT_UPDATES[update], True,
+                                    getattr(torch, dtype), getattr(torch, dtype))
+                elems, warps = K.launch_shape(cfg, args.elems, args.warps)
+                cc = compile_family(fmt, dtype, update, elems, warps, args.arch, args.maxnreg)
+                half = compile_family(fmt, dtype, update, elems // 2, warps, args.arch, args.maxnreg)
+                sass = sass_of(cc)
+                n, nh = count(sass), count(sass_of(half))
+                # per thread: elements / (32 * warps) of them, in registers
+                per = (n - nh) / ((elems - elems // 2) / (32 * warps))
+                regs, smem = resources(cc)
+                label = "exact" if dtype == "float32" else update
+                print(f"{fname:>6} {dtype:>9} {label:>10} {f'{elems} x {warps}':>13} {regs:>5} "
+                      f"{smem:>6} {n:>6} {per:>9.2f}")
+                if args.dump:
+                    with open(args.dump, "w") as f:
+                        f.write(sass)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
