@@ -10,11 +10,13 @@ stochastic-rounding indices below 2**32), and prints:
 
     config, registers, shared memory, SASS instructions, instructions per element
 
-"per element" = (instructions at E elements per program - at E/2) / (elements per
-thread added), so the per-program part (metadata, table stores, block maxima) drops out. The counts are static
-(every instruction once); the kernel is straight-line apart from slow paths that never
-run, so they track what Nsight Compute executes. Needs a triton whose NVIDIA backend is
-installed (any CPU machine with the triton wheel):
+"SASS" is per thread (each holds elements / (32 * warps) of them); "per element" =
+(instructions at E elements per program - at E/2) / (elements per thread added), so the
+per-program part (metadata, table stores, block maxima) drops out. The counts are static
+(every instruction of the kernel body once; the subroutines after it, slow paths of exact
+division that never run, are left out); the body is straight-line, so they track what
+Nsight Compute executes. Needs a triton with its NVIDIA backend (any machine with the
+triton wheel; use the GPU's triton version, e.g. with ``PYTHONPATH`` pointing at it):
 
     python3 scripts/sass_count.py --format 8bit 4bit --dtype bfloat16 --update stochastic
     python3 scripts/sass_count.py --format 4bit --dump /tmp/k.sass   # the SASS itself
@@ -29,13 +31,12 @@ import subprocess
 import sys
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from titan_lowbit.kernels import adamw_lowbit as K
-import torch
-
 from titan_lowbit.optim.formats import STATE_FORMATS
 
 _TRITON_TYPE = {"float32": "fp32", "bfloat16": "bf16"}
