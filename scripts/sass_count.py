@@ -82,23 +82,23 @@ def compile_family(fmt, dtype: str, update: str, elems: int, warps: int, arch: i
     return triton.compile(src, target=target, options=options.__dict__)
 
 
-def sass_of(cc) -> str:
+def _cuda_tool(tool: str, flag: str, cc) -> str:
+    """Output of one of the triton wheel's CUDA tools (nvdisasm, cuobjdump) on the cubin."""
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cc.asm["cubin"])
         f.flush()
-        return subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", f.name], check=True,
+        return subprocess.run([os.path.join(bindir, tool), flag, f.name], check=True,
                               capture_output=True, text=True).stdout
+
+
+def sass_of(cc) -> str:
+    return _cuda_tool("nvdisasm", "-c", cc)
 
 
 def resources(cc) -> tuple[int, int]:
     """(registers per thread, shared memory bytes) that ptxas reports for the cubin."""
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cc.asm["cubin"])
-        f.flush()
-        out = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", f.name], check=True,
-                             capture_output=True, text=True).stdout
+    out = _cuda_tool("cuobjdump", "-res-usage", cc)
     return int(re.search(r"REG:(\d+)", out).group(1)), cc.metadata.shared
 
 
