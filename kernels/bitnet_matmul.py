@@ -49,40 +49,83 @@ MAX_K = (2**31 - 1) // (127 * 127)
 
 
 def _set_tma_blocks(nargs):
-    """Autotune pre-hook: the tensor descriptors' box is the config's tile."""
+    """Autotune pre-hook: the tensor descriptors' box is the config's tile (the output's
+    is half a tile wide when the epilogue stores it in two halves)."""
     nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
     nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+    if nargs["OUT_ALIGNED"]:
+        nargs["o_desc"].block_shape = _out_box(nargs["BLOCK_M"], nargs["BLOCK_N"],
+                                               nargs["TMA_STORE"], nargs["SPLIT_N"])
+
+
+def _out_box(bm: int, bn: int, tma_store: bool, split: bool) -> list[int]:
+    """The output descriptor's box: the tile, or half of it (SPLIT_N); a fixed small box
+    when the config stores through pointers (the descriptor is then passed but unused,
+    and its box is part of the compiled kernel's signature)."""
+    return [bm, bn // (1 + split)] if tma_store else [16, 16]
 
 
 def _configs(tma: bool) -> list[triton.Config]:
-    hook = _set_tma_blocks if tma else None
+    """Tiles the autotuner times per shape.
+
+    The TMA variant's configs also choose PER_SM (resident programs per SM, each looping
+    over tiles; 0: one program per tile), TMA_STORE and SPLIT_N (the epilogue). Measured on
+    an H100 (docs/bitnet.md): two 128 x 128 programs per SM with 3 stages and a split TMA
+    store win the short-K shapes (K = 2048 and less) by 12 to 32%, as one program's
+    epilogue runs while the other's main loop does; the long-K shapes gain 0 to 4%. The
+    configs of one program per tile with pointer stores are those of before, so the
+    autotuner can still pick them where they win."""
     if INTERPRET:
         # The interpreter runs every program in numpy; one small tile keeps tests quick
-        # and exercises the ragged edges.
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2},
-                              num_warps=4, num_stages=1, pre_hook=hook)]
-    configs = [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
-                      num_warps=warps, num_stages=stages, pre_hook=hook)
-        for bm, bn, bk, warps, stages in (
-            (128, 256, 128, 8, 3),
-            (128, 256, 128, 8, 4),
-            (256, 128, 128, 8, 3),
-            (256, 128, 128, 8, 4),
-            (128, 128, 128, 4, 4),
-            (128, 128, 128, 8, 4),
-            (128, 256, 64, 8, 4),
-            (64, 128, 128, 4, 4),
-        )
-    ]
+        # and exercises the ragged edges. Under it the TMA variant loops over tiles (two
+        # programs: _programs) and stores through split descriptors; the test
+        # test_int8_matmul_every_tile_schedule_matches_reference launches the others.
+        extra = dict(PER_SM=1, TMA_STORE=True, SPLIT_N=True) if tma else {}
+        return [triton.Config(dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, **extra),
+                              num_warps=4, num_stages=1,
+                              pre_hook=_set_tma_blocks if tma else None)]
+    # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
+    one_per_tile = ((128, 256, 128, 8, 3), (128, 256, 128, 8, 4), (256, 128, 128, 8, 3),
+                    (256, 128, 128, 8, 4), (128, 128, 128, 4, 4), (128, 128, 128, 8, 4),
+                    (128, 256, 64, 8, 4), (64, 128, 128, 4, 4))
+    if not tma:
+        configs = [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8),
+                                 num_warps=w, num_stages=st)
+                   for bm, bn, bk, w, st in one_per_tile]
+    else:
+        # ... PER_SM, TMA_STORE, SPLIT_N
+        tiles = ((128, 128, 128, 8, 3, 2, True, True), (128, 256, 128, 8, 3, 1, True, False),
+                 (128, 256, 128, 8, 3, 1, True, True), (128, 256, 128, 8, 4, 1, True, True),
+                 (256, 128, 128, 8, 3, 1, True, True), (256, 128, 128, 8, 4, 1, True, True))
+        tiles += tuple(t + (0, False, False) for t in one_per_tile[:5])
+        configs = [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PER_SM=per_sm,
+                                      TMA_STORE=store, SPLIT_N=split),
+                                 num_warps=w, num_stages=st, pre_hook=_set_tma_blocks)
+                   for bm, bn, bk, w, st, per_sm, store, split in tiles]
     # TITAN_LOWBIT_INT8_AUTOTUNE=0 takes the first tile without timing the others (quick
     # GPU test runs; each new shape otherwise costs one timing of every config).
     return configs[:1] if os.environ.get("TITAN_LOWBIT_INT8_AUTOTUNE") == "0" else configs
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _programs(tiles: int, per_sm: int, device: torch.device) -> int:
+    """Programs to launch: one per tile, or PER_SM per SM looping over the tiles. Off a
+    GPU (the interpreter) the "SMs" are 2: few programs, each looping over several tiles."""
+    if per_sm == 0:
+        return tiles
+    if device.type != "cuda":
+        return min(tiles, per_sm * 2)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return min(tiles, per_sm * _cuda_sm_count(index))
+
+
 @triton.jit
 def _tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    # Grouped program order: GROUP_M row tiles share each column tile of b while it sits in L2.
+    # Grouped tile order: GROUP_M row tiles share each column tile of b while it sits in L2.
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     group = GROUP_M * num_n
@@ -92,13 +135,18 @@ def _tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: t
 
 
 @triton.jit
-def _scaled_store(acc, a_scale_ptr, b_scale_ptr, out_ptr, stride_om, M, N, pid_m, pid_n,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _scaled(acc, a_scale_ptr, b_scale, M, pid_m, BLOCK_M: tl.constexpr):
+    """The epilogue's math: acc (int32) * a_scale[row] * b_scale, in fp32."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
+    return acc.to(tl.float32) * (a_scale * b_scale)[:, None]
+
+
+@triton.jit
+def _store_pointer(out, out_ptr, stride_om, M, N, pid_m, pid_n,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
-    b_scale = tl.load(b_scale_ptr)
-    out = acc.to(tl.float32) * (a_scale[:, None] * b_scale)
     o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty),
              mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
@@ -112,7 +160,8 @@ def _int8_matmul_kernel(
     stride_am, stride_bn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """Pointer loads (cp.async): any 16-byte-unaligned operand."""
+    """Pointer loads (cp.async): any 16-byte-unaligned operand. One program per tile
+    (looping over tiles measured 3 to 7% slower for this variant)."""
     pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -131,27 +180,62 @@ def _int8_matmul_kernel(
         acc = tl.dot(a, b, acc, out_dtype=tl.int32)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    _scaled_store(acc, a_scale_ptr, b_scale_ptr, out_ptr, stride_om, M, N, pid_m, pid_n,
-                  BLOCK_M, BLOCK_N)
+    out = _scaled(acc, a_scale_ptr, tl.load(b_scale_ptr), M, pid_m, BLOCK_M)
+    _store_pointer(out, out_ptr, stride_om, M, N, pid_m, pid_n, BLOCK_M, BLOCK_N)
 
 
-@triton.autotune(configs=_configs(tma=True), key=["M", "N", "K"])
 @triton.jit
-def _int8_matmul_tma_kernel(
-    a_desc, b_desc, a_scale_ptr, b_scale_ptr, out_ptr,
-    M, N, K, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    """Tensor-memory-accelerator loads (Hopper): the copy engine fills shared memory and
-    zero-fills the ragged edges, so the loop carries no masks."""
-    pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+def _tma_tile(tile, a_desc, b_desc, o_desc, a_scale_ptr, b_scale, out_ptr, M, N, K, stride_om,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              GROUP_M: tl.constexpr, SPLIT_N: tl.constexpr, STORE_TMA: tl.constexpr):
+    """One output tile of the TMA kernel: the K loop, then the scaled epilogue."""
+    pid_m, pid_n = _tile_of(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
         a = a_desc.load([pid_m * BLOCK_M, k0])
         b = b_desc.load([pid_n * BLOCK_N, k0])
         acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
-    _scaled_store(acc, a_scale_ptr, b_scale_ptr, out_ptr, stride_om, M, N, pid_m, pid_n,
-                  BLOCK_M, BLOCK_N)
+    out = _scaled(acc, a_scale_ptr, b_scale, M, pid_m, BLOCK_M)
+    if not STORE_TMA:
+        _store_pointer(out, out_ptr, stride_om, M, N, pid_m, pid_n, BLOCK_M, BLOCK_N)
+    elif SPLIT_N:
+        # columns [0, BLOCK_N/2) and [BLOCK_N/2, BLOCK_N) as two stores
+        left, right = tl.split(tl.permute(tl.reshape(out, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        o_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], left.to(out_ptr.dtype.element_ty))
+        o_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2],
+                     right.to(out_ptr.dtype.element_ty))
+    else:
+        o_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], out.to(out_ptr.dtype.element_ty))
+
+
+@triton.autotune(configs=_configs(tma=True), key=["M", "N", "K"])
+@triton.jit
+def _int8_matmul_tma_kernel(
+    a_desc, b_desc, o_desc, a_scale_ptr, b_scale_ptr, out_ptr,
+    M, N, K, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PER_SM: tl.constexpr, TMA_STORE: tl.constexpr, SPLIT_N: tl.constexpr,
+    OUT_ALIGNED: tl.constexpr,
+):
+    """Tensor-memory-accelerator loads (Hopper): the copy engine fills shared memory and
+    zero-fills the ragged edges, so the loop carries no masks.
+    PER_SM 0: one program per tile. Otherwise each program steps through the tiles pid,
+    pid + programs, ..., in one loop flattened with the K loop, so the compiler issues the
+    next tile's loads while this tile's epilogue runs.
+    The output leaves through its descriptor (o_desc, clipped at the edges by the copy
+    engine; SPLIT_N: in two half-width stores, half the shared-memory staging) when the
+    config asks for it (TMA_STORE) and its rows are 16-byte aligned (OUT_ALIGNED, from the
+    caller); otherwise through masked pointer stores (out_ptr, the same tensor)."""
+    STORE_TMA: tl.constexpr = TMA_STORE and OUT_ALIGNED
+    b_scale = tl.load(b_scale_ptr)
+    if PER_SM == 0:
+        _tma_tile(tl.program_id(0), a_desc, b_desc, o_desc, a_scale_ptr, b_scale, out_ptr,
+                  M, N, K, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_N, STORE_TMA)
+    else:
+        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
+            _tma_tile(tile, a_desc, b_desc, o_desc, a_scale_ptr, b_scale, out_ptr,
+                      M, N, K, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_N, STORE_TMA)
 
 
 def _check(a, b, a_scale, b_scale, out_dtype):
@@ -232,15 +316,21 @@ def _launch_traced(a, b, a_scale, b_scale, out, M, N, K):
     record_launch(_int8_matmul_kernel.fn, grid, args, meta)
 
 
+def _out_tma_ok(out: torch.Tensor) -> bool:
+    """The output can leave through a TMA descriptor: 16-byte-aligned rows."""
+    return out.data_ptr() % 16 == 0 and (out.stride(0) * out.element_size()) % 16 == 0
+
+
 def int8_matmul_scaled(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
                        b_scale: torch.Tensor, out_dtype: torch.dtype,
                        impl: str = "auto", traced: bool = False) -> torch.Tensor:
     """(a @ b.T) * a_scale[:, None] * b_scale on int8 tensor cores, written in out_dtype.
 
-    impl: "tma" (Hopper tensor-descriptor loads), "pointer" (cp.async loads, any
-    alignment) or "auto" (TMA where the operands allow it). Both compute the same sums.
-    After the first call of each shape (which autotunes), launches skip Triton's
-    autotuner and launch preparation (``bitnet_launch.FastKernel``).
+    impl: "tma" (Hopper tensor-descriptor loads, and stores where the output's rows are
+    16-byte aligned), "pointer" (cp.async loads, any alignment) or "auto" (TMA where the
+    operands allow it). Both compute the same sums. After the first call of each shape
+    (which autotunes), launches skip Triton's autotuner and launch preparation
+    (``bitnet_launch.FastKernel``).
     ``traced``: record the launch in the graph torch.compile builds (the pointer variant
     with the tile the autotuner picks for the shape).
     """
@@ -276,6 +366,7 @@ def int8_matmul_scaled(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
         raise ValueError("BitNet int8 matmul: impl='tma' needs 16-byte-aligned operands "
                          "and row strides on a Hopper GPU; use impl='pointer'")
     if use_tma:
+        out_aligned = _out_tma_ok(out)
         tail = (a_scale, b_scale, out, M, N, K, N)
         kernel = _TMA
     else:
@@ -285,30 +376,38 @@ def int8_matmul_scaled(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
     key = (arg_key(tail), a.stride(0), b.stride(0))
     entry = kernel.lookup(key)
     if entry is not None:
-        bm, bn, bk = entry.config
-        grid = (_cdiv(M, bm) * _cdiv(N, bn),)
+        bm, bn, bk, per_sm, tma_store, split = entry.config
+        grid = (_programs(_cdiv(M, bm) * _cdiv(N, bn), per_sm, a.device),)
         if use_tma:
+            o_desc = (_CheckedDescriptor(out, [M, N], [N, 1], _out_box(bm, bn, tma_store, split))
+                      if out_aligned else out)
             args = (_CheckedDescriptor(a, [M, K], [a.stride(0), 1], [bm, bk]),
-                    _CheckedDescriptor(b, [N, K], [b.stride(0), 1], [bn, bk]), *tail)
+                    _CheckedDescriptor(b, [N, K], [b.stride(0), 1], [bn, bk]), o_desc, *tail)
         else:
             args = tail
         kernel.fire(entry, grid, args)
         return out
 
     def grid(meta):
-        return (_cdiv(M, meta["BLOCK_M"]) * _cdiv(N, meta["BLOCK_N"]),)
+        tiles = _cdiv(M, meta["BLOCK_M"]) * _cdiv(N, meta["BLOCK_N"])
+        return (_programs(tiles, meta.get("PER_SM", 0), a.device),)
 
+    extra = {}
     if use_tma:
         # Box shapes are placeholders; the autotune pre-hook sets each config's tile.
+        o_desc = TensorDescriptor(out, [M, N], [N, 1], [16, 16]) if out_aligned else out
         args = (TensorDescriptor(a, [M, K], [a.stride(0), 1], [16, 16]),
-                TensorDescriptor(b, [N, K], [b.stride(0), 1], [16, 16]), *tail)
+                TensorDescriptor(b, [N, K], [b.stride(0), 1], [16, 16]), o_desc, *tail)
+        extra["OUT_ALIGNED"] = out_aligned
     else:
         args = tail
-    compiled = kernel.kernel[grid](*args)
+    compiled = kernel.kernel[grid](*args, **extra)
     best_config = kernel.kernel.best_config
     _TUNED[(use_tma, M, N, K, a.stride(0), b.stride(0), out_dtype)] = best_config
     best = best_config.kwargs
-    kernel.remember(key, compiled, best, config=(best["BLOCK_M"], best["BLOCK_N"], best["BLOCK_K"]))
+    kernel.remember(key, compiled, dict(best, **extra),
+                    config=(best["BLOCK_M"], best["BLOCK_N"], best["BLOCK_K"], best.get("PER_SM", 0),
+                            best.get("TMA_STORE", False), best.get("SPLIT_N", False)))
     return out
 
 

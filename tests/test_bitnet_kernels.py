@@ -229,6 +229,39 @@ def test_int8_matmul_matches_reference(shape, out_dtype, impl):
         torch.testing.assert_close(out, ref, rtol=2**-7 if out_dtype == torch.bfloat16 else 2**-10, atol=0)
 
 
+@pytest.mark.parametrize("per_sm,tma_store,split,out_dtype", [
+    (0, False, False, torch.bfloat16), (0, True, False, torch.float32), (1, True, True, torch.bfloat16),
+    (2, True, False, torch.float16), (1, False, False, torch.float32), (3, True, True, torch.float32)])
+def test_int8_matmul_every_tile_schedule_matches_reference(per_sm, tma_store, split, out_dtype):
+    """Each schedule the TMA variant's GPU autotuner may pick (programs per SM, descriptor
+    or pointer stores, split stores), launched directly with a small tile on a ragged
+    shape (several tiles per program when PER_SM is not 0): the interpreter's single
+    autotune config covers only one of them. The output starts as NaN, so a tile that no
+    program writes fails."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if DEVICE == "cuda" and not mm._has_tma(torch.cuda.current_device()):
+        pytest.skip("TMA needs a Hopper GPU")
+    m, n, k = 70, 96, 80  # ragged rows; 96 columns keep the output's rows 16-byte aligned
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8, device=DEVICE)
+    b = torch.randint(-1, 2, (n, k), dtype=torch.int8, device=DEVICE)
+    sa = torch.rand(m, device=DEVICE) * 0.1 + 1e-3
+    sb = torch.rand((), device=DEVICE) + 0.01
+    out = torch.full((m, n), float("nan"), dtype=out_dtype, device=DEVICE)
+    bm = bn = bk = 32 if DEVICE == "cpu" else 64
+    grid = (mm._programs(-(-m // bm) * -(-n // bn), per_sm, a.device),)
+    descs = (TensorDescriptor(a, [m, k], [k, 1], [bm, bk]), TensorDescriptor(b, [n, k], [k, 1], [bn, bk]),
+             TensorDescriptor(out, [m, n], [n, 1], [bm, bn // (1 + split)]))
+    mm._int8_matmul_tma_kernel.fn[grid](
+        *descs, sa, sb, out, m, n, k, n, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=2,
+        PER_SM=per_sm, TMA_STORE=tma_store, SPLIT_N=split, OUT_ALIGNED=True, num_warps=4, num_stages=2)
+    ref = mm.int8_matmul_scaled_reference(a, b, sa, sb, out_dtype)
+    if out_dtype == torch.float32 or DEVICE == "cuda":
+        assert torch.equal(out, ref)
+    else:
+        torch.testing.assert_close(out, ref, rtol=2**-7 if out_dtype == torch.bfloat16 else 2**-10, atol=0)
+
+
 def test_int8_matmul_takes_strided_operands():
     a = torch.randint(-127, 128, (40, 96), dtype=torch.int8, device=DEVICE)[:, :70]
     b = torch.randint(-1, 2, (70, 30), dtype=torch.int8, device=DEVICE).t()
