@@ -71,10 +71,10 @@ def _configs(tma: bool) -> list[triton.Config]:
     The TMA variant's configs also choose PER_SM (resident programs per SM, each looping
     over tiles; 0: one program per tile), TMA_STORE and SPLIT_N (the epilogue). Measured on
     an H100 (docs/bitnet.md): two 128 x 128 programs per SM with 3 stages and a split TMA
-    store win the short-K shapes (K = 2048 and less) by 12 to 32%, as one program's
-    epilogue runs while the other's main loop does; the long-K shapes gain 0 to 4%. The
-    configs of one program per tile with pointer stores are those of before, so the
-    autotuner can still pick them where they win."""
+    store win most short-K shapes (K = 2048 and less) by 7 to 32%, as one program's
+    epilogue runs while the other's main loop does; the long-K shapes move within 3%.
+    The first five one-program-per-tile configs with pointer stores (the pointer
+    variant's list) stay, so the autotuner can still pick them where they win."""
     if INTERPRET:
         # The interpreter runs every program in numpy; one small tile keeps tests quick
         # and exercises the ragged edges. Under it the TMA variant loops over tiles (two
