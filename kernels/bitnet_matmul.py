@@ -261,12 +261,17 @@ def _has_tma(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+def _rows_aligned(t: torch.Tensor) -> bool:
+    """What a TMA descriptor needs of a 2-D tensor: a 16-byte-aligned base and row stride."""
+    return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
 def _tma_ok(*ts: torch.Tensor) -> bool:
-    # TMA wants 16-byte-aligned bases and row strides, and a Hopper-or-newer GPU.
+    # TMA wants aligned rows (_rows_aligned) and a Hopper-or-newer GPU.
     if not INTERPRET:
         if not ts[0].is_cuda or not _has_tma(ts[0].get_device()):
             return False
-    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in ts)  # int8: bytes
+    return all(_rows_aligned(t) for t in ts)
 
 
 class _CheckedDescriptor(TensorDescriptor):
@@ -316,11 +321,6 @@ def _launch_traced(a, b, a_scale, b_scale, out, M, N, K):
     record_launch(_int8_matmul_kernel.fn, grid, args, meta)
 
 
-def _out_tma_ok(out: torch.Tensor) -> bool:
-    """The output can leave through a TMA descriptor: 16-byte-aligned rows."""
-    return out.data_ptr() % 16 == 0 and (out.stride(0) * out.element_size()) % 16 == 0
-
-
 def int8_matmul_scaled(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
                        b_scale: torch.Tensor, out_dtype: torch.dtype,
                        impl: str = "auto", traced: bool = False) -> torch.Tensor:
@@ -366,7 +366,7 @@ def int8_matmul_scaled(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
         raise ValueError("BitNet int8 matmul: impl='tma' needs 16-byte-aligned operands "
                          "and row strides on a Hopper GPU; use impl='pointer'")
     if use_tma:
-        out_aligned = _out_tma_ok(out)
+        out_aligned = _rows_aligned(out)  # the output can leave through a descriptor
         tail = (a_scale, b_scale, out, M, N, K, N)
         kernel = _TMA
     else:
