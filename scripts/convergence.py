@@ -10,7 +10,10 @@ round-to-nearest stall), and writes:
   validation loss per variant, with the gap to fp32 AdamW and the command line;
 - ``docs/convergence.png``: the training-loss curves (needs matplotlib).
 
-Usage: ``python scripts/convergence.py [--steps 300] [--lrs 3e-3,1e-5] [--out docs]``
+Usage: ``python scripts/convergence.py [--steps 300] [--lrs 3e-3,1e-5] [--seeds 0,1,2]
+[--jobs 4] [--out docs]``. ``--seeds`` repeats every run with each model seed
+(``debug.seed``; the data order stays) and reports each seed's gap and their mean;
+``--jobs`` runs that many variants at once (the debug model leaves a GPU mostly idle).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,14 +50,15 @@ VARIANTS = [
 
 
 def run_variant(config: Path, name: str, dtype: str, update: str, lr: float, steps: int,
-                extra: list[str], dump: Path) -> dict:
+                extra: list[str], dump: Path, seed: int | None = None) -> dict:
+    seed_args = [] if seed is None else ["--debug.seed", str(seed)]
     cmd = ["bash", str(ROOT / "scripts" / "train.sh"), str(config),
            "--metrics.disable_color_printing", "--metrics.log_freq", "1",
            "--optimizer.name", name, "--optimizer.lr", repr(lr),
            "--lowbit.weight_dtype", dtype, "--lowbit.weight_update", update,
            "--training.steps", str(steps), "--lr_scheduler.warmup_steps", str(max(steps // 20, 1)),
            "--validation.freq", str(steps), "--validation.steps", "20",
-           "--job.dump_folder", str(dump), *extra]
+           "--job.dump_folder", str(dump), *seed_args, *extra]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     elapsed = time.perf_counter() - start
@@ -76,28 +81,47 @@ def parse_run(out: str, steps: int, what: str) -> dict:
     return {"train": train, "final_train": sum(tail) / len(tail), "final_val": val[-1]}
 
 
+# Results are keyed (lr, variant label, seed); seed None: the config's own debug.seed.
+
+def _key_str(lr: float, label: str, seed: int | None) -> str:
+    return f"{lr:g}|{label}" + ("" if seed is None else f"|{seed}")
+
+
+def _parse_key(key: str) -> tuple[float, str, int | None]:
+    lr, rest = key.split("|", 1)
+    label, _, seed = rest.partition("|")
+    return float(lr), label, (int(seed) if seed else None)
+
+
+def run_dir_name(lr: float, seed: int | None, name: str, dtype: str, update: str) -> str:
+    return f"{lr:g}-" + ("" if seed is None else f"seed{seed}-") + f"{name}-{dtype}-{update}"
+
+
 def load_saved(json_files: list[Path], dumps: list[Path], steps: int) -> dict:
     """Results of earlier invocations: their convergence_runs.json files and the
-    train.log files under their --dump folders (named LR-NAME-DTYPE-UPDATE)."""
+    train.log files under their --dump folders (named as ``run_dir_name`` names them)."""
     labels = {(name, dtype, update): label for label, name, dtype, update in VARIANTS}
     results = {}
     for path in json_files:
         for key, r in json.loads(path.read_text()).items():
-            lr, label = key.split("|", 1)
-            results[(float(lr), label)] = {**r, "train": {int(k): v for k, v in r["train"].items()}}
+            results[_parse_key(key)] = {**r, "train": {int(k): v for k, v in r["train"].items()}}
     for dump in dumps:
         for log in sorted(dump.glob("*/train.log")):
-            lr, name, dtype, update = _split_run_dir(log.parent.name)
-            results[(float(lr), labels[(name, dtype, update)])] = parse_run(
+            lr, seed, name, dtype, update = _split_run_dir(log.parent.name)
+            results[(float(lr), labels[(name, dtype, update)], seed)] = parse_run(
                 log.read_text(), steps, log.parent.name)
     return results
 
 
-def _split_run_dir(dirname: str) -> tuple[str, str, str, str]:
-    """'1e-05-AdamW-bfloat16-kahan' -> ('1e-05', 'AdamW', 'bfloat16', 'kahan'): the lr
-    itself may contain a '-'."""
+def _split_run_dir(dirname: str) -> tuple[str, int | None, str, str, str]:
+    """'1e-05-AdamW-bfloat16-kahan' -> ('1e-05', None, 'AdamW', 'bfloat16', 'kahan') and
+    '0.003-seed1-AdamW8bit-auto-nearest' -> ('0.003', 1, ...): the lr itself may contain
+    a '-'."""
     head, name, dtype, update = dirname.rsplit("-", 3)
-    return head, name, dtype, update
+    match = re.fullmatch(r"(.*)-seed(\d+)", head)
+    if match:
+        return match.group(1), int(match.group(2)), name, dtype, update
+    return head, None, name, dtype, update
 
 
 def write_report(results: dict, lrs: list[float], steps: int, argv: list[str], out: Path) -> None:
@@ -109,23 +133,37 @@ def write_report(results: dict, lrs: list[float], steps: int, argv: list[str], o
         "mean of the last 10% of steps, validation loss is on the held-out split at the end.", "",
     ]
     for lr in lrs:
-        ref = results[(lr, VARIANTS[0][0])]
-        lines += [f"## lr {lr:g}", "",
-                  "| variant | final train loss | validation loss | validation vs fp32 AdamW |",
-                  "| --- | --- | --- | --- |"]
+        seeds = sorted({seed for r_lr, _, seed in results if r_lr == lr},
+                       key=lambda s: -1 if s is None else s)
+        lines += [f"## lr {lr:g}", ""]
+        if len(seeds) > 1:
+            lines += [f"Seeds {', '.join('config' if s is None else str(s) for s in seeds)}: "
+                      "train and validation loss are the means over the seeds; the gaps are "
+                      "each seed's validation loss against fp32 AdamW's with the same seed.", ""]
+        lines += ["| variant | final train loss | validation loss | validation vs fp32 AdamW |"
+                  + (" per seed |" if len(seeds) > 1 else ""),
+                  "| --- | --- | --- | --- |" + (" --- |" if len(seeds) > 1 else "")]
         for label, *_ in VARIANTS:
-            r = results.get((lr, label))
-            if r is None:
-                lines.append(f"| {label} | not measured | not measured | |")
+            runs = [(results.get((lr, label, s)), results.get((lr, VARIANTS[0][0], s)))
+                    for s in seeds]
+            runs = [(r, ref) for r, ref in runs if r is not None and ref is not None]
+            if not runs:
+                lines.append(f"| {label} | not measured | not measured | |"
+                             + (" |" if len(seeds) > 1 else ""))
                 continue
-            gap = 100 * (r["final_val"] - ref["final_val"]) / ref["final_val"]
-            lines.append(f"| {label} | {r['final_train']:.4f} | {r['final_val']:.4f} | {gap:+.2f}% |")
+            gaps = [100 * (r["final_val"] - ref["final_val"]) / ref["final_val"] for r, ref in runs]
+            train = sum(r["final_train"] for r, _ in runs) / len(runs)
+            val = sum(r["final_val"] for r, _ in runs) / len(runs)
+            row = f"| {label} | {train:.4f} | {val:.4f} | {sum(gaps) / len(gaps):+.2f}% |"
+            if len(seeds) > 1:
+                row += " " + ", ".join(f"{g:+.2f}%" for g in gaps) + " |"
+            lines.append(row)
         lines.append("")
     lines.append("![training loss curves](convergence.png)")
     (out / "convergence.md").write_text("\n".join(lines) + "\n")
     (out / "convergence.json").write_text(json.dumps(
-        {f"{lr:g}|{label}": {k: v for k, v in r.items() if k != "train"}
-         for (lr, label), r in results.items()}, indent=2) + "\n")
+        {_key_str(*key): {k: v for k, v in r.items() if k != "train"}
+         for key, r in results.items()}, indent=2) + "\n")
 
 
 def plot(results: dict, lrs: list[float], out: Path) -> None:
@@ -139,17 +177,19 @@ def plot(results: dict, lrs: list[float], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(lrs), figsize=(7 * len(lrs), 5), squeeze=False)
+    first_seed = min((seed for _, _, seed in results), key=lambda s: -1 if s is None else s)
     for ax, lr in zip(axes[0], lrs):
         for label, *_ in VARIANTS:
-            if (lr, label) not in results:
+            if (lr, label, first_seed) not in results:
                 continue
-            train = results[(lr, label)]["train"]
+            train = results[(lr, label, first_seed)]["train"]
             steps = sorted(train)
             k = max(len(steps) // 50, 1)  # light smoothing: running mean over k steps
             ys = [sum(train[t] for t in steps[max(0, i - k + 1): i + 1]) / min(i + 1, k)
                   for i in range(len(steps))]
             ax.plot(steps, ys, label=label, linewidth=1)
-        ax.set_title(f"llama3 debug model, lr {lr:g}")
+        seed = "" if first_seed is None else f", seed {first_seed}"
+        ax.set_title(f"llama3 debug model, lr {lr:g}{seed}")
         ax.set_xlabel("step")
         ax.set_ylabel("training loss")
         ax.legend(fontsize=7)
@@ -179,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", default=[],
                         help="run only the variants whose label contains one of these strings "
                              "(the fp32 AdamW baseline always runs)")
+    parser.add_argument("--seeds", default="",
+                        help="comma-separated model seeds (debug.seed) to repeat every run with "
+                             "(default: the config's seed)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs at once (each is its own torchrun; default 1)")
     parser.add_argument("extra", nargs="*", help="torchtitan overrides for every run (after --)")
     args = parser.parse_args(argv)
     lrs = [float(x) for x in args.lrs.split(",")]
@@ -188,24 +233,36 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--only {args.only} matches no variant; labels: {[v[0] for v in VARIANTS]}")
     if args.from_json or args.from_dump:
         results = load_saved(args.from_json, args.from_dump, args.steps)
-        lrs = sorted({lr for lr, _ in results}, reverse=True)
+        lrs = sorted({lr for lr, _, _ in results}, reverse=True)
         args.out.mkdir(parents=True, exist_ok=True)
         write_report(results, lrs, args.steps, argv, args.out)
         plot(results, lrs, args.out)
         print((args.out / "convergence.md").read_text())
         return 0
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: give at least 1")
+    try:
+        seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [None]
+    except ValueError:
+        parser.error(f"--seeds {args.seeds!r}: give comma-separated integers, e.g. 0,1,2")
+    runs = [(lr, seed, v) for lr in lrs for seed in seeds for v in variants]
     results = {}
-    for lr in lrs:
-        for label, name, dtype, update in variants:
-            r = run_variant(args.config, name, dtype, update, lr, args.steps, args.extra,
-                            args.dump / f"{lr:g}-{name}-{dtype}-{update}")
-            results[(lr, label)] = r
-            print(f"lr {lr:g} {label:40s} train {r['final_train']:.4f} val {r['final_val']:.4f} "
-                  f"({r['seconds']:.0f} s)", flush=True)
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "convergence_runs.json").write_text(json.dumps(
-                {f"{k[0]:g}|{k[1]}": v for k, v in results.items()}) + "\n")
     args.out.mkdir(parents=True, exist_ok=True)
+
+    def one(run):
+        lr, seed, (label, name, dtype, update) = run
+        r = run_variant(args.config, name, dtype, update, lr, args.steps, args.extra,
+                        args.dump / run_dir_name(lr, seed, name, dtype, update), seed)
+        return (lr, label, seed), r
+
+    # Results are printed and saved in run order, each as soon as it and those before it are done.
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for (lr, label, seed), r in pool.map(one, runs):
+            results[(lr, label, seed)] = r
+            print(f"lr {lr:g} seed {seed} {label:40s} train {r['final_train']:.4f} "
+                  f"val {r['final_val']:.4f} ({r['seconds']:.0f} s)", flush=True)
+            (args.out / "convergence_runs.json").write_text(json.dumps(
+                {_key_str(*k): v for k, v in results.items()}) + "\n")
     write_report(results, lrs, args.steps, argv, args.out)
     plot(results, lrs, args.out)
     print((args.out / "convergence.md").read_text())

@@ -10,14 +10,18 @@ Output (default ``assets/lowbit_text/``, ignored by git):
 
 - ``train.jsonl`` and ``validation.jsonl``: one ``{"text": ...}`` record per document;
   a document goes to validation when a hash of its relative path says so, so the
-  splits are disjoint and stable when files are added;
+  splits are disjoint and stable when files are added. Each split is written in the
+  order of a hash of its documents' ids (a fixed shuffle): torchtitan reads a dataset
+  in order, and in sorted file order a short run would train on the corpus' first
+  folders only and validate on its first validation files, so that the losses of two
+  equivalent runs could differ by whatever those few files are like;
 - ``tokenizer/tokenizer.json`` and ``tokenizer/tokenizer_config.json``: a byte-level BPE
   tokenizer (HF ``tokenizers``) with ``--vocab-size`` entries (default 2048, the vocab
   of torchtitan's llama3 ``debugmodel``) and BOS/EOS tokens torchtitan recognises;
 - ``manifest.json``: inputs, sizes and a content hash of every output file.
 
 The result is deterministic: files are read in sorted order, the tokenizer is trained
-single-threaded, and the same corpus gives byte-identical outputs.
+single-threaded, the shuffle is a hash, and the same corpus gives byte-identical outputs.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ from pathlib import Path
 TEXT_SUFFIXES = (".py", ".txt", ".rst", ".md")
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 DEFAULT_OUT = Path("assets") / "lowbit_text"
+# What the outputs hold, recorded in the manifest; ``--if-missing`` rebuilds outputs of
+# another format (2: each split shuffled by a hash of its document ids; 1: file order).
+FORMAT = 2
 # Installed third-party packages differ between machines; the corpus is Python's own text.
 SKIP_DIRS = {"__pycache__", "site-packages", "dist-packages"}
 
@@ -83,6 +90,13 @@ def is_validation(rel_path: str, every: int) -> bool:
     file_part = rel_path.split("#", 1)[0]
     digest = hashlib.sha256(file_part.encode()).digest()
     return int.from_bytes(digest[:4], "little") % every == 0
+
+
+def shuffled(docs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The documents in the order of the SHA-256 of their ids ("path#piece"): a fixed
+    pseudo-random order, the same on every machine, in which neighbouring pieces of one
+    file land far apart."""
+    return sorted(docs, key=lambda d: hashlib.sha256(d[0].encode()).digest())
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
@@ -139,7 +153,7 @@ def prepare(corpus: Path, out: Path, vocab_size: int, max_bytes: int, max_doc_by
          "add_bos_token": False, "add_eos_token": False,
          "model_max_length": 1 << 20, "tokenizer_class": "PreTrainedTokenizerFast"},
         indent=2, sort_keys=True) + "\n")
-    for name, split in (("train.jsonl", train), ("validation.jsonl", val)):
+    for name, split in (("train.jsonl", shuffled(train)), ("validation.jsonl", shuffled(val))):
         with open(out / name, "w", encoding="utf-8") as f:
             for rel, text in split:
                 f.write(json.dumps({"text": text, "source": rel}, ensure_ascii=False) + "\n")
@@ -147,6 +161,7 @@ def prepare(corpus: Path, out: Path, vocab_size: int, max_bytes: int, max_doc_by
     outputs = ["train.jsonl", "validation.jsonl", "tokenizer/tokenizer.json",
                "tokenizer/tokenizer_config.json"]
     manifest = {
+        "format": FORMAT,
         "corpus": str(corpus),
         "vocab_size": tokenizer.get_vocab_size(),
         "documents": {"train": len(train), "validation": len(val)},
@@ -172,14 +187,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--validation-every", type=int, default=20,
                         help="about one file in N goes to the validation split")
     parser.add_argument("--if-missing", action="store_true",
-                        help="do nothing when OUT already holds a manifest.json")
+                        help="do nothing when OUT already holds a manifest.json of this "
+                             "script's format")
     args = parser.parse_args(argv)
     if args.vocab_size < 256 + 3:
         parser.error(f"--vocab-size {args.vocab_size} must be at least 259 (256 bytes + 3 special tokens)")
-    if args.if_missing and (args.out / "manifest.json").is_file():
-        print(f"prepare_data: {args.out} is ready (manifest.json exists)")
-        return 0
-    corpus = args.corpus if args.corpus is not None else default_corpus()
+    manifest_path = args.out / "manifest.json"
+    corpus = args.corpus
+    if args.if_missing and manifest_path.is_file():
+        old = json.loads(manifest_path.read_text())
+        found = old.get("format", 1)
+        if found == FORMAT:
+            print(f"prepare_data: {args.out} is ready (manifest.json exists)")
+            return 0
+        if corpus is None and Path(old.get("corpus", "")).is_dir():
+            corpus = Path(old["corpus"])  # rebuild from the corpus it was made of
+        print(f"prepare_data: {args.out} holds format {found} data; rebuilding it as "
+              f"format {FORMAT} (documents shuffled)", file=sys.stderr)
+    if corpus is None:
+        corpus = default_corpus()
     manifest = prepare(corpus, args.out, args.vocab_size, args.max_bytes,
                        args.max_doc_bytes, args.validation_every)
     print(f"prepare_data: wrote {args.out}: {json.dumps(manifest['documents'])} documents, "

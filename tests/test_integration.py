@@ -1,6 +1,7 @@
 """The torchtitan integration: config section, registration, flavors, CPU path,
 offline data, and bad input stopping before any training."""
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -159,6 +160,12 @@ def test_prepare_data_is_deterministic_with_disjoint_splits(tmp_path):
     train, val = sources("train"), sources("validation")
     assert train and val and not train & val
     assert len(train | val) == 60
+    # Each split is shuffled by a hash of the document ids, not left in file order.
+    for split in ("train", "validation"):
+        ids = [json.loads(l)["source"]
+               for l in (tmp_path / "a" / f"{split}.jsonl").read_text().splitlines()]
+        assert ids == sorted(ids, key=lambda d: hashlib.sha256(d.encode()).digest())
+        assert len(ids) < 3 or ids != sorted(ids)
 
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
