@@ -19,13 +19,19 @@ The first call of each shape autotunes through Triton's autotuner; later calls l
 chosen tile's compiled kernel directly (``bitnet_launch.FastKernel``), building the TMA
 descriptors with that tile's box instead of running the autotuner's pre-hook.
 
-Inside a torch.compile graph (``traced=True``) the launch is recorded for Inductor: the
-pointer variant, with the tile the eager autotuner picks for the same shape, timed once
-per shape while the graph is traced (on scratch operands of that shape). Not the TMA
-variant: a host-side tensor descriptor built inside a ``triton_op`` reaches torch's
-kernel analysis as a descriptor over a fake tensor, which torch 2.11 cannot handle (it
-then assumes every input mutated and fails on the launch), and Inductor cannot run the
-autotuner's pre-hook that sizes a descriptor's box per config.
+Inside a torch.compile graph (``traced=True``) the launch is recorded for Inductor, with
+the tile that autotuning picks for the shape, timed once per shape while the graph is
+traced (on scratch operands of that shape). Where the operands' bases and rows are
+16-byte aligned on a Hopper GPU, the variant recorded is the faster in GPU time of the
+pointer variant and one that builds its tensor descriptors in the kernel
+(``tl.make_tensor_descriptor``: the device-TMA variant); elsewhere it is the pointer
+variant. Not the host-descriptor TMA variant: torch 2.11 records no host-side
+tensor descriptor built inside a ``triton_op`` (its kernel analysis sees a descriptor
+over a fake tensor and fails), and Inductor cannot run the autotuner's pre-hook that
+sizes a descriptor's box per config. Descriptors built in a kernel live in a global
+scratch buffer that Triton asks an allocator for at each launch: Inductor sets one before
+its launches; launches through Triton itself (other compile backends, the autotuner,
+tests) get ``_scratch_allocator`` from the kernel's pre-run hook.
 """
 
 from __future__ import annotations
@@ -65,7 +71,7 @@ def _out_box(bm: int, bn: int, tma_store: bool, split: bool) -> list[int]:
     return [bm, bn // (1 + split)] if tma_store else [16, 16]
 
 
-def _configs(tma: bool) -> list[triton.Config]:
+def _configs(tma: bool, host_descriptors: bool = True) -> list[triton.Config]:
     """Tiles the autotuner times per shape.
 
     The TMA variant's configs also choose PER_SM (resident programs per SM, each looping
@@ -74,7 +80,10 @@ def _configs(tma: bool) -> list[triton.Config]:
     store win most short-K shapes (K = 2048 and less) by 7 to 32%, as one program's
     epilogue runs while the other's main loop does; the long-K shapes move within 3%.
     The first five one-program-per-tile configs with pointer stores (the pointer
-    variant's list) stay, so the autotuner can still pick them where they win."""
+    variant's list) stay, so the autotuner can still pick them where they win.
+    ``host_descriptors=False``: the TMA tiles for the variant that builds its descriptors
+    in the kernel (no pre-hook sizing host descriptors)."""
+    hook = _set_tma_blocks if tma and host_descriptors else None
     if INTERPRET:
         # The interpreter runs every program in numpy; one small tile keeps tests quick
         # and exercises the ragged edges. Under it the TMA variant loops over tiles (two
@@ -83,7 +92,7 @@ def _configs(tma: bool) -> list[triton.Config]:
         extra = dict(PER_SM=1, TMA_STORE=True, SPLIT_N=True) if tma else {}
         return [triton.Config(dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, **extra),
                               num_warps=4, num_stages=1,
-                              pre_hook=_set_tma_blocks if tma else None)]
+                              pre_hook=hook)]
     # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
     one_per_tile = ((128, 256, 128, 8, 3), (128, 256, 128, 8, 4), (256, 128, 128, 8, 3),
                     (256, 128, 128, 8, 4), (128, 128, 128, 4, 4), (128, 128, 128, 8, 4),
@@ -100,7 +109,7 @@ def _configs(tma: bool) -> list[triton.Config]:
         tiles += tuple(t + (0, False, False) for t in one_per_tile[:5])
         configs = [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PER_SM=per_sm,
                                       TMA_STORE=store, SPLIT_N=split),
-                                 num_warps=w, num_stages=st, pre_hook=_set_tma_blocks)
+                                 num_warps=w, num_stages=st, pre_hook=hook)
                    for bm, bn, bk, w, st, per_sm, store, split in tiles]
     # TITAN_LOWBIT_INT8_AUTOTUNE=0 takes the first tile without timing the others (quick
     # GPU test runs; each new shape otherwise costs one timing of every config).
@@ -208,25 +217,15 @@ def _tma_tile(tile, a_desc, b_desc, o_desc, a_scale_ptr, b_scale, out_ptr, M, N,
         o_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], out.to(out_ptr.dtype.element_ty))
 
 
-@triton.autotune(configs=_configs(tma=True), key=["M", "N", "K"])
 @triton.jit
-def _int8_matmul_tma_kernel(
-    a_desc, b_desc, o_desc, a_scale_ptr, b_scale_ptr, out_ptr,
-    M, N, K, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PER_SM: tl.constexpr, TMA_STORE: tl.constexpr, SPLIT_N: tl.constexpr,
-    OUT_ALIGNED: tl.constexpr,
-):
-    """Tensor-memory-accelerator loads (Hopper): the copy engine fills shared memory and
-    zero-fills the ragged edges, so the loop carries no masks.
+def _tma_program(a_desc, b_desc, o_desc, a_scale_ptr, b_scale_ptr, out_ptr, M, N, K, stride_om,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr, PER_SM: tl.constexpr, SPLIT_N: tl.constexpr,
+                 STORE_TMA: tl.constexpr):
+    """One program of the TMA kernels, whichever built the descriptors.
     PER_SM 0: one program per tile. Otherwise each program steps through the tiles pid,
     pid + programs, ..., in one loop flattened with the K loop, so the compiler issues the
-    next tile's loads while this tile's epilogue runs.
-    The output leaves through its descriptor (o_desc, clipped at the edges by the copy
-    engine; SPLIT_N: in two half-width stores, half the shared-memory staging) when the
-    config asks for it (TMA_STORE) and its rows are 16-byte aligned (OUT_ALIGNED, from the
-    caller); otherwise through masked pointer stores (out_ptr, the same tensor)."""
-    STORE_TMA: tl.constexpr = TMA_STORE and OUT_ALIGNED
+    next tile's loads while this tile's epilogue runs."""
     b_scale = tl.load(b_scale_ptr)
     if PER_SM == 0:
         _tma_tile(tl.program_id(0), a_desc, b_desc, o_desc, a_scale_ptr, b_scale, out_ptr,
@@ -236,6 +235,68 @@ def _int8_matmul_tma_kernel(
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
             _tma_tile(tile, a_desc, b_desc, o_desc, a_scale_ptr, b_scale, out_ptr,
                       M, N, K, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_N, STORE_TMA)
+
+
+@triton.autotune(configs=_configs(tma=True), key=["M", "N", "K"])
+@triton.jit
+def _int8_matmul_tma_kernel(
+    a_desc, b_desc, o_desc, a_scale_ptr, b_scale_ptr, out_ptr,
+    M, N, K, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PER_SM: tl.constexpr, TMA_STORE: tl.constexpr, SPLIT_N: tl.constexpr,
+    OUT_ALIGNED: tl.constexpr,
+):
+    """Tensor-memory-accelerator loads (Hopper) through descriptors built on the host: the
+    copy engine fills shared memory and zero-fills the ragged edges, so the loop carries no
+    masks. The output leaves through its descriptor (o_desc, clipped at the edges by the
+    copy engine; SPLIT_N: in two half-width stores, half the shared-memory staging) when
+    the config asks for it (TMA_STORE) and its rows are 16-byte aligned (OUT_ALIGNED, from
+    the caller); otherwise through masked pointer stores (out_ptr, the same tensor)."""
+    _tma_program(a_desc, b_desc, o_desc, a_scale_ptr, b_scale_ptr, out_ptr, M, N, K, stride_om,
+                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PER_SM, SPLIT_N, TMA_STORE and OUT_ALIGNED)
+
+
+@triton.autotune(configs=_configs(tma=True, host_descriptors=False), key=["M", "N", "K"])
+@triton.jit
+def _int8_matmul_tma_device_kernel(
+    a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, out_ptr,
+    M, N, K, stride_am, stride_bn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PER_SM: tl.constexpr, TMA_STORE: tl.constexpr, SPLIT_N: tl.constexpr,
+    OUT_ALIGNED: tl.constexpr,
+):
+    """The TMA kernel with its descriptors built here, once per program: plain pointer
+    arguments, which a compiled graph can record. The caller guarantees 16-byte-aligned
+    bases and row strides of a and b, and of out when OUT_ALIGNED."""
+    STORE_TMA: tl.constexpr = TMA_STORE and OUT_ALIGNED
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_bn, 1],
+                                       block_shape=[BLOCK_N, BLOCK_K])
+    if STORE_TMA:
+        o_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[stride_om, 1],
+                                           block_shape=[BLOCK_M, BLOCK_N // (1 + SPLIT_N)])
+    else:
+        o_desc = out_ptr  # not used: the epilogue stores through pointers
+    _tma_program(a_desc, b_desc, o_desc, a_scale_ptr, b_scale_ptr, out_ptr, M, N, K, stride_om,
+                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PER_SM, SPLIT_N, STORE_TMA)
+
+
+def _scratch_allocator(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for descriptors built in a kernel: device memory from torch's caching
+    allocator on the current device, ordered on the current stream (its blocks are
+    512-byte aligned, more than the 128 bytes a descriptor needs)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _set_scratch_allocator(*args, **kwargs) -> None:
+    """Pre-run hook of the device-TMA kernel: Triton's allocator is a per-thread context
+    variable, unset in a thread that never set it (autograd's backward thread, say), so a
+    launch through Triton sets ours first."""
+    triton.set_allocator(_scratch_allocator)
+
+
+_int8_matmul_tma_device_kernel.fn.add_pre_run_hook(_set_scratch_allocator)
 
 
 def _check(a, b, a_scale, b_scale, out_dtype):
@@ -285,40 +346,123 @@ class _CheckedDescriptor(TensorDescriptor):
 
 _POINTER = FastKernel(_int8_matmul_kernel)
 _TMA = FastKernel(_int8_matmul_tma_kernel)
-# (use_tma, M, N, K, a row stride, b row stride, out dtype) -> the autotuner's chosen
+IMPLS = ("auto", "tma", "device_tma", "pointer")
+# (variant, M, N, K, a row stride, b row stride, out dtype) -> the autotuner's chosen
 # Config, recorded by every autotuning launch (the traced path reads it).
 _TUNED: dict[tuple, triton.Config] = {}
 
 
-def _traced_tile(M: int, N: int, K: int, stride_a: int, stride_b: int,
+def _traced_tile(variant: str, M: int, N: int, K: int, stride_a: int, stride_b: int,
                  out_dtype: torch.dtype, device: torch.device) -> triton.Config:
-    """The pointer variant's tile the autotuner picks for this shape, timing it now on
-    scratch operands if no eager launch of the shape has (while torch.compile traces)."""
-    key = (False, M, N, K, stride_a, stride_b, out_dtype)
+    """The tile the autotuner picks for this variant and shape, timing it now on scratch
+    operands if no eager launch of the shape has (while torch.compile traces)."""
+    key = (variant, M, N, K, stride_a, stride_b, out_dtype)
     if key not in _TUNED:
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        with _disable_current_modes():  # real tensors, outside the tracing modes
-            gen = torch.Generator(device=device).manual_seed(0)
-            a = torch.randint(-127, 128, (M, stride_a), dtype=torch.int8, device=device,
-                              generator=gen)[:, :K]
-            b = torch.randint(-1, 2, (N, stride_b), dtype=torch.int8, device=device,
-                              generator=gen)[:, :K]
-            scale = torch.ones(M, dtype=torch.float32, device=device)
-            int8_matmul_scaled(a, b, scale, scale[0], out_dtype, impl="pointer")
+        with _real_tensors():
+            a, b, scale = _scratch_operands(M, N, K, stride_a, stride_b, device)
+            int8_matmul_scaled(a, b, scale, scale[0], out_dtype, impl=variant)
     return _TUNED[key]
 
 
+def _real_tensors():
+    """A context outside torch.compile's tracing modes (fake tensors, proxies): timing
+    while a graph is traced runs on real device memory."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def _scratch_operands(M: int, N: int, K: int, stride_a: int, stride_b: int, device):
+    """Random operands of a traced launch's shape and row strides, to time it on."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randint(-127, 128, (M, stride_a), dtype=torch.int8, device=device,
+                      generator=gen)[:, :K]
+    b = torch.randint(-1, 2, (N, stride_b), dtype=torch.int8, device=device,
+                      generator=gen)[:, :K]
+    return a, b, torch.rand(M, dtype=torch.float32, device=device, generator=gen)
+
+
+def _traced_rows_aligned(t: torch.Tensor) -> bool:
+    """``_rows_aligned`` from what a traced (fake) tensor knows: its storage offset and row
+    stride (the storage's base comes from an allocator that aligns far beyond 16 bytes)."""
+    size = t.element_size()
+    return int(t.storage_offset()) * size % 16 == 0 and int(t.stride(0)) * size % 16 == 0
+
+
+def _gpu_ms(fn, reps: int = 20) -> float:
+    """GPU time of one ``fn()`` from a CUDA graph of ``reps`` calls (best of three replays):
+    no host time, which the timings of small launches would otherwise measure."""
+    fn()  # compiled and autotuned before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    best = float("inf")
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / reps)
+    return best
+
+
+# (M, N, K, a row stride, b row stride, out dtype) -> the variant a compiled graph records
+_TRACED_VARIANT: dict[tuple, str] = {}
+
+
+def _traced_variant(a, b, M: int, N: int, K: int, out_dtype: torch.dtype) -> str:
+    """The variant a compiled graph records for this shape: the faster, in GPU time on
+    scratch operands, of the pointer and the device-TMA variant (each autotuned) where a
+    Hopper GPU and the operands' alignment allow the latter; else the pointer variant.
+    Descriptors built in the kernel cost each program some time, which loses on the
+    smallest shapes (measured in docs/bitnet.md)."""
+    index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    if not (_has_tma(index) and _traced_rows_aligned(a) and _traced_rows_aligned(b)):
+        return "pointer"
+    key = (M, N, K, int(a.stride(0)), int(b.stride(0)), out_dtype)
+    if key not in _TRACED_VARIANT:
+        with _real_tensors():
+            sa, sb, scale = _scratch_operands(*key[:5], a.device)
+            times = {v: _gpu_ms(lambda v=v: int8_matmul_scaled(sa, sb, scale, scale[0], out_dtype,
+                                                                 impl=v))
+                     for v in ("pointer", "device_tma")}
+        _TRACED_VARIANT[key] = min(times, key=times.get)
+    return _TRACED_VARIANT[key]
+
+
 def _launch_traced(a, b, a_scale, b_scale, out, M, N, K):
-    """Record the pointer variant's launch in the graph torch.compile builds, with the
-    autotuned tile (module docstring)."""
+    """Record the launch in the graph torch.compile builds (module docstring): the
+    variant ``_traced_variant`` picks, with its autotuned tile."""
     # int(): a traced call with dynamic sizes specializes on them (the tile is per shape).
-    cfg = _traced_tile(int(M), int(N), int(K), int(a.stride(0)), int(b.stride(0)), out.dtype,
-                       a.device)
+    variant = _traced_variant(a, b, int(M), int(N), int(K), out.dtype)
+    cfg = _traced_tile(variant, int(M), int(N), int(K), int(a.stride(0)), int(b.stride(0)),
+                       out.dtype, a.device)
     meta = dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    grid = (_cdiv(M, cfg.kwargs["BLOCK_M"]) * _cdiv(N, cfg.kwargs["BLOCK_N"]),)
+    tiles = _cdiv(M, cfg.kwargs["BLOCK_M"]) * _cdiv(N, cfg.kwargs["BLOCK_N"])
     args = (a, b, a_scale, b_scale, out, M, N, K, a.stride(0), b.stride(0), N)
-    record_launch(_int8_matmul_kernel.fn, grid, args, meta)
+    if variant == "pointer":
+        record_launch(_int8_matmul_kernel.fn, (tiles,), args, meta)
+    else:
+        meta["OUT_ALIGNED"] = int(N) * out.element_size() % 16 == 0  # out: new, dense rows
+        grid = (_programs(tiles, cfg.kwargs["PER_SM"], a.device),)
+        record_launch(_int8_matmul_tma_device_kernel.fn, grid, args, meta)
+
+
+def _launch_device_tma(a, b, a_scale, b_scale, out, M, N, K, out_dtype):
+    """An eager launch of the device-TMA variant through Triton's autotuner (tests, and
+    the timing behind a traced launch's tile)."""
+
+    def grid(meta):
+        tiles = _cdiv(M, meta["BLOCK_M"]) * _cdiv(N, meta["BLOCK_N"])
+        return (_programs(tiles, meta["PER_SM"], a.device),)
+
+    _int8_matmul_tma_device_kernel[grid](a, b, a_scale, b_scale, out, M, N, K, a.stride(0),
+                                         b.stride(0), N, OUT_ALIGNED=_rows_aligned(out))
+    _TUNED[("device_tma", M, N, K, a.stride(0), b.stride(0), out_dtype)] = \
+        _int8_matmul_tma_device_kernel.best_config
 
 
 def int8_matmul_scaled(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
@@ -326,21 +470,18 @@ def int8_matmul_scaled(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
                        impl: str = "auto", traced: bool = False) -> torch.Tensor:
     """(a @ b.T) * a_scale[:, None] * b_scale on int8 tensor cores, written in out_dtype.
 
-    impl: "tma" (Hopper tensor-descriptor loads, and stores where the output's rows are
-    16-byte aligned), "pointer" (cp.async loads, any alignment) or "auto" (TMA where the
-    operands allow it). Both compute the same sums. After the first call of each shape
-    (which autotunes), launches skip Triton's autotuner and launch preparation
-    (``bitnet_launch.FastKernel``).
-    ``traced``: record the launch in the graph torch.compile builds (the pointer variant
-    with the tile the autotuner picks for the shape).
+    impl: "tma" (Hopper tensor-descriptor loads through descriptors built on the host, and
+    stores where the output's rows are 16-byte aligned), "device_tma" (the same with the
+    descriptors built in the kernel), "pointer" (cp.async loads, any alignment) or "auto"
+    (TMA where the operands allow it). All compute the same sums. After the first call of
+    each shape (which autotunes), "tma" and "pointer" launches skip Triton's autotuner and
+    launch preparation (``bitnet_launch.FastKernel``).
+    ``traced``: record the launch in the graph torch.compile builds (the device-TMA or the
+    pointer variant with the tile the autotuner picks for the shape).
     """
     _check(a, b, a_scale, b_scale, out_dtype)
-    if impl == "auto":
-        use_tma = None
-    elif impl in ("tma", "pointer"):
-        use_tma = impl == "tma"
-    else:
-        raise ValueError(f"BitNet int8 matmul: impl={impl!r}; choose auto, tma or pointer")
+    if impl not in IMPLS:
+        raise ValueError(f"BitNet int8 matmul: impl={impl!r}; choose one of {IMPLS}")
     if a.stride(1) != 1:
         a = a.contiguous()
     if b.stride(1) != 1:
@@ -360,11 +501,13 @@ def int8_matmul_scaled(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
         _launch_traced(a, b, a_scale, b_scale, out, M, N, K)
         return out
     tma_ok = _tma_ok(a, b)
-    if use_tma is None:
-        use_tma = tma_ok
-    elif use_tma and not tma_ok:
-        raise ValueError("BitNet int8 matmul: impl='tma' needs 16-byte-aligned operands "
+    if impl in ("tma", "device_tma") and not tma_ok:
+        raise ValueError(f"BitNet int8 matmul: impl={impl!r} needs 16-byte-aligned operands "
                          "and row strides on a Hopper GPU; use impl='pointer'")
+    if impl == "device_tma":
+        _launch_device_tma(a, b, a_scale, b_scale, out, M, N, K, out_dtype)
+        return out
+    use_tma = tma_ok if impl == "auto" else impl == "tma"
     if use_tma:
         out_aligned = _rows_aligned(out)  # the output can leave through a descriptor
         tail = (a_scale, b_scale, out, M, N, K, N)
@@ -403,7 +546,8 @@ def int8_matmul_scaled(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
         args = tail
     compiled = kernel.kernel[grid](*args, **extra)
     best_config = kernel.kernel.best_config
-    _TUNED[(use_tma, M, N, K, a.stride(0), b.stride(0), out_dtype)] = best_config
+    _TUNED[("tma" if use_tma else "pointer", M, N, K, a.stride(0), b.stride(0), out_dtype)] = \
+        best_config
     best = best_config.kwargs
     kernel.remember(key, compiled, dict(best, **extra),
                     config=(best["BLOCK_M"], best["BLOCK_N"], best["BLOCK_K"], best.get("PER_SM", 0),

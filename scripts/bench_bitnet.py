@@ -5,6 +5,8 @@
     python scripts/bench_bitnet.py --allgather-only     # FSDP2 all-gather bytes (CPU is fine)
     python scripts/bench_bitnet.py --host-only          # GPU: host time of one layer and its pieces
     python scripts/bench_bitnet.py --host-breakdown     # host us per piece (GPU; CPU: launches stubbed)
+    python scripts/bench_bitnet.py --matmul-only --tokens 8192 --shapes 2048x2048,2048x512,2048x5632,5632x2048
+                                                        # GPU: int8 matmul variants (the 1B model's GEMMs)
 
 For each (in -> out) shape it times forward+backward of one linear layer (median of
 triton.testing.do_bench, fresh random bf16 inputs) for
@@ -130,6 +132,7 @@ def _linear_rows(tokens, k, n, dev, ceil, with_torchao):
         row[f"int8_fwd_{name}_config"] = str(kernel.best_config)
         row[f"int8_dgrad_{name}_ms"] = _bench(lambda: mm.int8_matmul_scaled(dq, codes_t, ds, g, torch.bfloat16, impl=name))
         row[f"int8_dgrad_{name}_config"] = str(kernel.best_config)
+    row.update(_matmul_gpu_times(xq, xs, dq, ds, codes, codes_t, g))
     row["int_mm_cublas_fwd_ms"] = _bench(lambda: torch._int_mm(xq, codes.t()))
     xh = bq.dequantize_rows(xq, xs, torch.bfloat16)
     row["bf16_wgrad_ms"] = _bench(lambda: dy.t() @ xh)
@@ -170,6 +173,47 @@ def _linear_rows(tokens, k, n, dev, ceil, with_torchao):
             except Exception as e:  # report, never hide: the row says why it is missing
                 row["torchao_error"] = f"{type(e).__name__}: {e}"[:300]
     return row
+
+
+def _matmul_gpu_times(xq, xs, dq, ds, codes, codes_t, g) -> dict:
+    """GPU time (CUDA-graph replays: no host time) of the forward and grad_input int8
+    matmuls in each variant, and the variant a compiled graph records for each."""
+    from titan_lowbit.kernels import bitnet_matmul as mm
+
+    row = {}
+    for what, (a, s, b) in {"fwd": (xq, xs, codes), "dgrad": (dq, ds, codes_t)}.items():
+        for impl in ("pointer", "tma", "device_tma"):
+            row[f"int8_{what}_{impl}_gpu_ms"] = mm._gpu_ms(
+                lambda: mm.int8_matmul_scaled(a, b, s, g, torch.bfloat16, impl=impl))
+        row[f"int8_{what}_compiled_variant"] = mm._traced_variant(
+            a, b, a.shape[0], b.shape[0], a.shape[1], torch.bfloat16)
+    return row
+
+
+def matmul_rows(tokens, k, n, dev) -> dict:
+    """Only the int8 matmuls of one layer (``--matmul-only``): GPU times per variant."""
+    from titan_lowbit.kernels import bitnet_quant as bq
+
+    torch.manual_seed(0)
+    x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
+    dy = torch.randn(tokens, n, device=dev, dtype=torch.bfloat16)
+    gathered = _gathered_weight((torch.randn(n, k, device=dev) * k**-0.5).to(torch.bfloat16))
+    codes, g = gathered._codes, gathered._scale
+    xq, xs = bq.quantize_rows(x)
+    dq, ds = bq.quantize_rows(dy)
+    return {"shape": f"{k}->{n}", "tokens": tokens,
+            **_matmul_gpu_times(xq, xs, dq, ds, codes, codes.t().contiguous(), g)}
+
+
+def _matmul_table(rows) -> str:
+    lines = ["| in -> out | GEMM | pointer ms | TMA, host descriptors ms | TMA, descriptors in "
+             "the kernel ms | compiled graph records |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        for what in ("fwd", "dgrad"):
+            lines.append(f"| {r['shape']} | {what} | " + " | ".join(
+                f"{r[f'int8_{what}_{impl}_gpu_ms']:.4f}" for impl in ("pointer", "tma", "device_tma"))
+                + f" | {r[f'int8_{what}_compiled_variant']} |")
+    return "\n".join(lines)
 
 
 CHAIN = 8
@@ -626,6 +670,10 @@ def main():
                          "the Triton launches stubbed out)")
     ap.add_argument("--measure-gloo", action="store_true",
                     help="also count real FSDP2 all-gather bytes on 2 gloo processes (debug model)")
+    ap.add_argument("--matmul-only", action="store_true",
+                    help="only the int8 matmuls' GPU time per variant (pointer, TMA with "
+                         "descriptors built on the host or in the kernel) and the variant a "
+                         "compiled graph records")
     ap.add_argument("--json", help="write all numbers here")
     args = ap.parse_args()
     if args.host_breakdown:
@@ -675,6 +723,16 @@ def main():
             sys.exit("bench_bitnet.py: the linear benchmark needs a GPU (use --allgather-only on CPU)")
         dev = torch.device("cuda")
         out["device"] = torch.cuda.get_device_name(dev)
+        if args.matmul_only:
+            out["matmul"] = [matmul_rows(args.tokens, k, n, dev)
+                             for k, n in (_parse_shapes(args.shapes) if args.shapes else SHAPES)]
+            print(f"device {out['device']}, torch {out['torch']}, triton {out['triton']}, "
+                  f"{out['date_utc']} UTC, {args.tokens} tokens")
+            print(_matmul_table(out["matmul"]))
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(out, f, indent=1)
+            return
         if args.host_only:
             out["host"] = [host_overhead(k, n, dev) for k, n in SHAPES]
             for h in out["host"]:

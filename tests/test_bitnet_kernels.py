@@ -207,7 +207,7 @@ def test_pack_pads_odd_columns_with_zero_codes(cols):
     assert bq.unpack_ternary(packed, cols, out=out) is out and torch.equal(out, t)
 
 
-@pytest.mark.parametrize("impl", ["pointer", "tma"])
+@pytest.mark.parametrize("impl", ["pointer", "tma", "device_tma"])
 @pytest.mark.parametrize("out_dtype", FLOATS)
 @pytest.mark.parametrize("shape", MM_SHAPES)
 def test_int8_matmul_matches_reference(shape, out_dtype, impl):
@@ -216,7 +216,7 @@ def test_int8_matmul_matches_reference(shape, out_dtype, impl):
     b = torch.randint(-1, 2, (n, k), dtype=torch.int8, device=DEVICE)
     sa = torch.rand(m, device=DEVICE) * 0.1 + 1e-3
     sb = torch.rand((), device=DEVICE) + 0.01
-    if impl == "tma" and k % 16:
+    if impl != "pointer" and k % 16:
         with pytest.raises(ValueError, match="16-byte-aligned"):
             mm.int8_matmul_scaled(a, b, sa, sb, out_dtype, impl=impl)
         return
@@ -229,15 +229,17 @@ def test_int8_matmul_matches_reference(shape, out_dtype, impl):
         torch.testing.assert_close(out, ref, rtol=2**-7 if out_dtype == torch.bfloat16 else 2**-10, atol=0)
 
 
+@pytest.mark.parametrize("descriptors", ["host", "device"])
 @pytest.mark.parametrize("per_sm,tma_store,split,out_dtype", [
     (0, False, False, torch.bfloat16), (0, True, False, torch.float32), (1, True, True, torch.bfloat16),
     (2, True, False, torch.float16), (1, False, False, torch.float32), (3, True, True, torch.float32)])
-def test_int8_matmul_every_tile_schedule_matches_reference(per_sm, tma_store, split, out_dtype):
-    """Each schedule the TMA variant's GPU autotuner may pick (programs per SM, descriptor
+def test_int8_matmul_every_tile_schedule_matches_reference(per_sm, tma_store, split, out_dtype,
+                                                           descriptors):
+    """Each schedule the TMA variants' GPU autotuner may pick (programs per SM, descriptor
     or pointer stores, split stores), launched directly with a small tile on a ragged
-    shape (several tiles per program when PER_SM is not 0): the interpreter's single
-    autotune config covers only one of them. The output starts as NaN, so a tile that no
-    program writes fails."""
+    shape (several tiles per program when PER_SM is not 0), with descriptors built on the
+    host or in the kernel: the interpreter's single autotune config covers only one of
+    them. The output starts as NaN, so a tile that no program writes fails."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     if DEVICE == "cuda" and not mm._has_tma(torch.cuda.current_device()):
@@ -250,16 +252,28 @@ def test_int8_matmul_every_tile_schedule_matches_reference(per_sm, tma_store, sp
     out = torch.full((m, n), float("nan"), dtype=out_dtype, device=DEVICE)
     bm = bn = bk = 32 if DEVICE == "cpu" else 64
     grid = (mm._programs(-(-m // bm) * -(-n // bn), per_sm, a.device),)
-    descs = (TensorDescriptor(a, [m, k], [k, 1], [bm, bk]), TensorDescriptor(b, [n, k], [k, 1], [bn, bk]),
-             TensorDescriptor(out, [m, n], [n, 1], [bm, bn // (1 + split)]))
-    mm._int8_matmul_tma_kernel.fn[grid](
-        *descs, sa, sb, out, m, n, k, n, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=2,
-        PER_SM=per_sm, TMA_STORE=tma_store, SPLIT_N=split, OUT_ALIGNED=True, num_warps=4, num_stages=2)
+    meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=2, PER_SM=per_sm, TMA_STORE=tma_store,
+                SPLIT_N=split, OUT_ALIGNED=True, num_warps=4, num_stages=2)
+    if descriptors == "host":
+        descs = (TensorDescriptor(a, [m, k], [k, 1], [bm, bk]), TensorDescriptor(b, [n, k], [k, 1], [bn, bk]),
+                 TensorDescriptor(out, [m, n], [n, 1], [bm, bn // (1 + split)]))
+        mm._int8_matmul_tma_kernel.fn[grid](*descs, sa, sb, out, m, n, k, n, **meta)
+    else:
+        mm._int8_matmul_tma_device_kernel.fn[grid](a, b, sa, sb, out, m, n, k, k, k, n, **meta)
     ref = mm.int8_matmul_scaled_reference(a, b, sa, sb, out_dtype)
     if out_dtype == torch.float32 or DEVICE == "cuda":
         assert torch.equal(out, ref)
     else:
         torch.testing.assert_close(out, ref, rtol=2**-7 if out_dtype == torch.bfloat16 else 2**-10, atol=0)
+
+
+def test_traced_launch_alignment_check():
+    """A compiled graph's launch takes the device-TMA variant only for operands whose
+    storage offset and row stride are multiples of 16 bytes (what a descriptor needs)."""
+    t = torch.zeros(8, 64, dtype=torch.int8, device=DEVICE)
+    assert mm._traced_rows_aligned(t) and mm._traced_rows_aligned(t[1:]) and mm._traced_rows_aligned(t[:, 16:])
+    assert not mm._traced_rows_aligned(t[:, 1:]) and not mm._traced_rows_aligned(t[:, :40].contiguous().view(16, 20))
+    assert mm._traced_rows_aligned(torch.zeros(8, 8, device=DEVICE)[:, 4:])  # 4 floats: 16 bytes
 
 
 def test_int8_matmul_takes_strided_operands():
@@ -350,9 +364,15 @@ def _recording_backend(graphs: list, partition_fn=None):
     return backend
 
 
+# On a GPU the compiled graph records the int8 matmul variant that times faster per shape;
+# the tests below also force each one, so both run inside Inductor's and AOT's graphs.
+TRACED_VARIANTS = ["timed", "pointer", "device_tma"] if DEVICE == "cuda" else ["timed"]
+
+
+@pytest.mark.parametrize("traced_variant", TRACED_VARIANTS)
 @pytest.mark.parametrize("gathered", [False, True])
 @pytest.mark.parametrize("int8_backward", [True, False])
-def test_compiled_bitnet_linear_equals_eager(gathered, int8_backward):
+def test_compiled_bitnet_linear_equals_eager(gathered, int8_backward, traced_variant, monkeypatch):
     """Under torch.compile the layer runs the compiled operators (triton_op: Inductor
     launches the same kernels on a GPU; the references on CPU) and computes what the
     eager operators compute: output, input and weight gradients, bit for bit except for
@@ -361,6 +381,10 @@ def test_compiled_bitnet_linear_equals_eager(gathered, int8_backward):
 
     from titan_lowbit.bitnet import BitNetTernaryWeight, BitNetTrainingWeight
 
+    if traced_variant != "timed":
+        if traced_variant == "device_tma" and not mm._has_tma(torch.cuda.current_device()):
+            pytest.skip("TMA needs a Hopper GPU")
+        monkeypatch.setattr(mm, "_traced_variant", lambda *args: traced_variant)
     torch._dynamo.reset()
     m, k, n = (37, 96, 80) if DEVICE == "cpu" else (4100, 2048, 1408)
     x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
@@ -400,6 +424,9 @@ def test_compiled_bitnet_linear_equals_eager(gathered, int8_backward):
     code = "\n".join(gm.print_readable(print_output=False) for gm in graphs)
     assert "titan_lowbit" not in code, code
     assert ("triton_kernel_wrapper_functional" in code) == (DEVICE == "cuda"), code
+    if traced_variant == "timed" and DEVICE == "cuda" and mm._has_tma(torch.cuda.current_device()):
+        # aligned operands on Hopper: the forward's variant was chosen by timing both
+        assert (m, n, k, k, k, torch.bfloat16) in mm._TRACED_VARIANT
     # A second token count makes Dynamo recompile with a dynamic row count: the compiled
     # operators specialize on the sizes their tiles depend on, and still compute the same.
     x2 = torch.randn(m + 7, k, device=DEVICE, dtype=torch.bfloat16)
