@@ -1,4 +1,4 @@
-"""scripts/trace_regions.py on a small synthetic Chrome trace."""
+"""scripts/trace_regions.py and scripts/trace_kernels.py on small synthetic Chrome traces."""
 
 import json
 import sys
@@ -35,3 +35,23 @@ def test_sums_regions_and_their_direct_children_by_family(tmp_path):
     assert child_us == {"FSDP::all_gather (layers.N)": 60, "aten::copy_": 10}
     assert child_n["FSDP::all_gather (layers.N)"] == 2
     assert region_summary(by_thread, "FSDP::pre_backward")[:2] == (1, 70)
+
+
+def test_kernel_time_by_family_and_busy_union(tmp_path):
+    from trace_kernels import kernel_summary
+
+    events = [
+        _x("_int8_matmul_tma_device_kernel", 0, 100, cat="kernel"),
+        _x("sm90_xmma_gemm_bf16bf16_bf16f32", 50, 100, cat="kernel"),  # overlaps: busy 0-150
+        _x("triton_red_fused_abs_amax_0", 200, 30, cat="kernel"),
+        _x("triton_per_fused_rms_norm_1", 240, 10, cat="kernel"),
+        _x("Memset (Device)", 400, 5, cat="gpu_memset"),
+        _x("aten::mm", 0, 1000),  # host event: not counted
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    span, busy, us, n = kernel_summary(load_events(str(path)))
+    assert (span, busy) == (405, 150 + 30 + 10 + 5)
+    assert us["int8 matmul tma_device"] == 100 and us["cuBLAS GEMM"] == 100
+    assert us["Inductor reduction"] == 40 and n["Inductor reduction"] == 2
+    assert us["other: Memset (Device)"] == 5
