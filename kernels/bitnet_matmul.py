@@ -395,7 +395,9 @@ def _gpu_ms(fn, reps: int = 20) -> float:
     fn()  # compiled and autotuned before the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: other threads' CUDA calls (a compile running beside training) do not
+    # invalidate this capture
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for _ in range(reps):
             fn()
     best = float("inf")
