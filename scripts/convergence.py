@@ -246,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         parser.error(f"--seeds {args.seeds!r}: give comma-separated integers, e.g. 0,1,2")
     runs = [(lr, seed, v) for lr in lrs for seed in seeds for v in variants]
+    # The offline dataset once, before the runs: train.sh prepares it when missing, and
+    # several runs starting at once would each write it.
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--if-missing"],
+                   cwd=ROOT, check=True)
     results = {}
     args.out.mkdir(parents=True, exist_ok=True)
 
