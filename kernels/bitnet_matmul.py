@@ -121,6 +121,11 @@ def _cuda_sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _device_index(device: torch.device) -> int:
+    """A CUDA device's index ("cuda" alone: the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _programs(tiles: int, per_sm: int, device: torch.device) -> int:
     """Programs to launch: one per tile, or PER_SM per SM looping over the tiles. Off a
     GPU (the interpreter) the "SMs" are 2: few programs, each looping over several tiles."""
@@ -128,8 +133,7 @@ def _programs(tiles: int, per_sm: int, device: torch.device) -> int:
         return tiles
     if device.type != "cuda":
         return min(tiles, per_sm * 2)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return min(tiles, per_sm * _cuda_sm_count(index))
+    return min(tiles, per_sm * _cuda_sm_count(_device_index(device)))
 
 
 @triton.jit
@@ -421,8 +425,7 @@ def _traced_variant(a, b, M: int, N: int, K: int, out_dtype: torch.dtype) -> str
     Hopper GPU and the operands' alignment allow the latter; else the pointer variant.
     Descriptors built in the kernel cost each program some time, which loses on the
     smallest shapes (measured in docs/bitnet.md)."""
-    index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    if not (_has_tma(index) and _traced_rows_aligned(a) and _traced_rows_aligned(b)):
+    if not (_has_tma(_device_index(a.device)) and _traced_rows_aligned(a) and _traced_rows_aligned(b)):
         return "pointer"
     key = (M, N, K, int(a.stride(0)), int(b.stride(0)), out_dtype)
     if key not in _TRACED_VARIANT:
