@@ -8,7 +8,10 @@ family (int8 matmul variant, cuBLAS GEMM, attention, Inductor reduction / pointw
 template kernels, optimizer, other kernels by name) and reports the time the GPU was
 busy (the union of the events' intervals) against the span from the first to the last.
 
-    python3 scripts/trace_kernels.py rank0_trace.json [--top 25]
+    python3 scripts/trace_kernels.py rank0_trace.json [--top 25] [--by-kernel]
+
+``--by-kernel`` lists single kernels (by name) instead of families, with their mean time
+per launch: which Inductor kernel a change made faster or slower.
 
 docs/bitnet.md's per-step kernel tables of the 1B model come from this.
 """
@@ -41,8 +44,10 @@ def family(name: str) -> str:
     return "other: " + name[:60]
 
 
-def kernel_summary(events: list[dict]) -> tuple[float, float, collections.Counter, collections.Counter]:
-    """(span us, busy us, us by family, count by family) of the trace's device events."""
+def kernel_summary(events: list[dict], key=family
+                   ) -> tuple[float, float, collections.Counter, collections.Counter]:
+    """(span us, busy us, us by key, count by key) of the trace's device events; the key
+    of an event is ``key(name)`` (its family by default)."""
     dev = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS),
                  key=lambda e: e["ts"])
     if not dev:
@@ -58,8 +63,8 @@ def kernel_summary(events: list[dict]) -> tuple[float, float, collections.Counte
             start, end = s, t
         else:
             end = max(end, t)
-        us[family(e["name"])] += e["dur"]
-        n[family(e["name"])] += 1
+        us[key(e["name"])] += e["dur"]
+        n[key(e["name"])] += 1
     busy += end - start
     span = max(e["ts"] + e["dur"] for e in dev) - dev[0]["ts"]
     return span, busy, us, n
@@ -68,13 +73,17 @@ def kernel_summary(events: list[dict]) -> tuple[float, float, collections.Counte
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace", help="Chrome trace (.json or .json.gz) of one rank")
-    parser.add_argument("--top", type=int, default=25, help="families listed")
+    parser.add_argument("--top", type=int, default=25, help="families (or kernels) listed")
+    parser.add_argument("--by-kernel", action="store_true",
+                        help="single kernels by name, with the mean time per launch")
     args = parser.parse_args()
-    span, busy, us, n = kernel_summary(load_events(args.trace))
+    span, busy, us, n = kernel_summary(load_events(args.trace),
+                                       key=str if args.by_kernel else family)
     print(f"{args.trace}: GPU busy {busy / 1e3:.1f} ms of {span / 1e3:.1f} ms, "
           f"{sum(n.values())} device events")
     for name, t in us.most_common(args.top):
-        print(f"  {t / 1e3:8.2f} ms {n[name]:5d}x  {name}")
+        mean = f" {t / n[name]:8.1f} us each" if args.by_kernel else ""
+        print(f"  {t / 1e3:8.2f} ms {n[name]:5d}x{mean}  {name[:140]}")
 
 
 if __name__ == "__main__":

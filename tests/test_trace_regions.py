@@ -55,3 +55,6 @@ def test_kernel_time_by_family_and_busy_union(tmp_path):
     assert us["int8 matmul tma_device"] == 100 and us["cuBLAS GEMM"] == 100
     assert us["Inductor reduction"] == 40 and n["Inductor reduction"] == 2
     assert us["other: Memset (Device)"] == 5
+    _, _, us, n = kernel_summary(load_events(str(path)), key=str)
+    assert us["triton_red_fused_abs_amax_0"] == 30 and n["triton_per_fused_rms_norm_1"] == 1
+    assert len(us) == 5

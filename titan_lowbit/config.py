@@ -63,6 +63,12 @@ class LowBit:
     """Compute BitNet grad_input on int8 tensor cores (grad_output quantized row-wise);
     False computes it in the activation dtype."""
 
+    bitnet_persistent_rows: bool = True
+    """Under compile.enable, let Inductor keep a row in registers (one read of the row)
+    for the row quantizations it fuses, on rows up to 8192 elements whose inputs fit
+    (titan_lowbit/bitnet/row_reductions.py); False keeps Inductor's default (rows over
+    1024 elements are read twice). Same values either way."""
+
     def __post_init__(self) -> None:
         _check_choice("weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
         _check_choice("weight_update", self.weight_update, WEIGHT_UPDATES)

@@ -6,7 +6,9 @@
                   parallelism); the modules, FQNs and state-dict keys stay as they are.
                   Its ``post_optimizer_hook`` precomputes every weight's scale with one
                   all-reduce per sharded mesh dimension (``[lowbit]
-                  bitnet_precompute_scale``).
+                  bitnet_precompute_scale``). Under ``compile.enable`` it makes
+                  Inductor quantize rows in one pass where they fit
+                  (``row_reductions``, ``[lowbit] bitnet_persistent_rows``).
 ``bitnet_subln``  model surgery for torchtitan's llama3 ``TransformerBlock``: an RMSNorm on
                   the input of every linear of the block (SubLN, as BitNet's BitLinear
                   normalizes its own input) and the block's ``attention_norm``/``ffn_norm``
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from titan_lowbit.bitnet import row_reductions
 from titan_lowbit.bitnet.linear import BitNetLinear
 from titan_lowbit.bitnet.weight import (
     BitNetTrainingWeight,
@@ -109,6 +112,9 @@ class BitNetConverter:
         self.precompute_scale = bool(_lowbit_option(job_config, "bitnet_precompute_scale", True))
         self.int8_backward = bool(_lowbit_option(job_config, "bitnet_int8_backward", True))
         self.converted: list[str] = []
+        compiling = bool(getattr(getattr(job_config, "compile", None), "enable", False))
+        if compiling and _lowbit_option(job_config, "bitnet_persistent_rows", True):
+            row_reductions.install()
 
     def convert(self, model: nn.Module) -> None:
         self.converted = convert_to_bitnet(model, self.filter_fqns, self.int8_backward)
