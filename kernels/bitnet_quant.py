@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .bitnet_launch import FastKernel
+from .bitnet_launch import FastKernel, record_launch
 from .bitnet_launch import cdiv as _cdiv
 
 EPS = 1e-5
@@ -266,13 +266,16 @@ def absmean_scale_reference(w: torch.Tensor, abs_sum: torch.Tensor | None = None
 
 @triton.jit
 def _ternarize_kernel(
-    w_ptr, scale_ptr, out_ptr, scale_out_ptr, numel, R, C, stride_wr, stride_or,
-    PACK: tl.constexpr, FROM_SUM: tl.constexpr, EPS_C: tl.constexpr,
+    w_ptr, scale_ptr, out_ptr, scale_out_ptr, out_t_ptr, numel, R, C, stride_wr, stride_or,
+    PACK: tl.constexpr, FROM_SUM: tl.constexpr, TRANSPOSED: tl.constexpr, EPS_C: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
+    # t = clamp(floor(w / g + 0.5), -1, 1)   (w / g as w * div_rn(1, g))
     # BLOCK_C counts output columns: ternary columns (PACK=False) or packed bytes (PACK=True).
     # FROM_SUM: scale_ptr holds sum |W|; every program computes g = max(sum / numel, EPS)
     # (IEEE division) and program (0, 0) writes it to scale_out_ptr.
+    # TRANSPOSED (not with PACK): the codes also go to out_t [C, R] (contiguous), the
+    # K-major operand of grad_input's int8 matmul, from the same load of w.
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ocols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_ok = (rows < R)[:, None]
@@ -299,8 +302,11 @@ def _ternarize_kernel(
     else:
         m = row_ok & (ocols < C)[None, :]
         w = tl.load(w_ptr + r64 * stride_wr + ocols[None, :], mask=m, other=0.0).to(tl.float32)
-        t = tl.minimum(tl.maximum(tl.floor(w * recip + 0.5), -1.0), 1.0)
-        tl.store(out_ptr + r64 * stride_or + ocols[None, :], t.to(tl.int8), mask=m)
+        t = tl.minimum(tl.maximum(tl.floor(w * recip + 0.5), -1.0), 1.0).to(tl.int8)
+        tl.store(out_ptr + r64 * stride_or + ocols[None, :], t, mask=m)
+        if TRANSPOSED:
+            t_ptrs = out_t_ptr + ocols.to(tl.int64)[:, None] * R + rows[None, :]
+            tl.store(t_ptrs, tl.trans(t), mask=tl.trans(m))
 
 
 _TERNARIZE = FastKernel(_ternarize_kernel)
@@ -318,15 +324,20 @@ def _check_scale_input(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
         )
 
 
-def _ternarize_args(w, scale_in, scale_out, out, numel: float, pack: bool, from_sum: bool):
-    """(grid, runtime arguments, constexprs) of one ternarize launch of contiguous-row w."""
+def _ternarize_args(w, scale_in, scale_out, out, numel: float, pack: bool, from_sum: bool,
+                    out_t=None):
+    """(grid, runtime arguments, constexprs) of one ternarize launch of contiguous-row w
+    (and, with ``out_t``, of its transposed codes too)."""
     R, C = w.shape
     out_cols = out.shape[1]
-    block_r, block_c = (8, 128) if pack else (16, 256)
+    # Square tiles when the codes are also stored transposed: both stores write rows of
+    # 64 bytes.
+    block_r, block_c = (8, 128) if pack else ((64, 64) if out_t is not None else (16, 256))
     return ((_cdiv(R, block_r), _cdiv(out_cols, block_c)),
-            (w, scale_in, out, scale_out, numel, R, C, w.stride(0), out_cols),
-            dict(PACK=pack, FROM_SUM=from_sum, EPS_C=EPS, BLOCK_R=block_r, BLOCK_C=block_c,
-                 num_warps=4))
+            (w, scale_in, out, scale_out, out if out_t is None else out_t, numel, R, C,
+             w.stride(0), out_cols),
+            dict(PACK=pack, FROM_SUM=from_sum, TRANSPOSED=out_t is not None, EPS_C=EPS,
+                 BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4))
 
 
 def _ternarize_out(w, pack: bool) -> torch.Tensor:
@@ -335,17 +346,20 @@ def _ternarize_out(w, pack: bool) -> torch.Tensor:
                        dtype=torch.uint8 if pack else torch.int8, device=w.device)
 
 
-def _ternarize_launch(w, scale_in, scale_out, numel: float, pack: bool, from_sum: bool):
+def _ternarize_launch(w, scale_in, scale_out, numel: float, pack: bool, from_sum: bool,
+                      transposed: bool = False):
+    """codes, or (codes, transposed codes) when ``transposed``."""
     if w.stride(1) != 1:
         w = w.contiguous()
     out = _ternarize_out(w, pack)
+    out_t = torch.empty((w.shape[1], w.shape[0]), dtype=torch.int8, device=w.device) if transposed else None
     if out.numel() == 0:
         if from_sum:  # no program would write the scale
             scale_out.copy_(absmean_scale_reference(w, scale_in, int(numel)))
-        return out
-    grid, args, meta = _ternarize_args(w, scale_in, scale_out, out, numel, pack, from_sum)
+        return (out, out_t) if transposed else out
+    grid, args, meta = _ternarize_args(w, scale_in, scale_out, out, numel, pack, from_sum, out_t)
     _TERNARIZE(grid, args, **meta)
-    return out
+    return (out, out_t) if transposed else out
 
 
 def ternarize(w: torch.Tensor, scale: torch.Tensor, pack: bool = False) -> torch.Tensor:
@@ -378,6 +392,31 @@ def ternarize_from_sum(w: torch.Tensor, abs_sum: torch.Tensor, numel: int,
     _check_from_sum_inputs(w, abs_sum)
     scale = torch.empty((), dtype=torch.float32, device=w.device)
     return _ternarize_launch(w, abs_sum, scale, float(numel), pack, True), scale
+
+
+def ternarize_from_sum_transposed(w: torch.Tensor, abs_sum: torch.Tensor, numel: int
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ternarize_from_sum`` (unpacked) that also writes the codes transposed, from the
+    same read of ``w``: (codes [R, C], codes^T [C, R] contiguous, g). The transposed codes
+    are grad_input's K-major int8 operand, which would otherwise be a copy of the codes."""
+    _check_from_sum_inputs(w, abs_sum)
+    scale = torch.empty((), dtype=torch.float32, device=w.device)
+    codes, codes_t = _ternarize_launch(w, abs_sum, scale, float(numel), False, True, True)
+    return codes, codes_t, scale
+
+
+def record_ternarize_from_sum_transposed(w: torch.Tensor, abs_sum: torch.Tensor, numel: int
+                                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ternarize_from_sum_transposed`` recorded in the graph torch.compile is building
+    (inside a ``torch.library.triton_op``): Inductor launches the kernel itself. ``w``
+    must have contiguous rows."""
+    R, C = w.shape
+    codes = torch.empty((R, C), dtype=torch.int8, device=w.device)
+    codes_t = torch.empty((C, R), dtype=torch.int8, device=w.device)
+    scale = torch.empty((), dtype=torch.float32, device=w.device)
+    grid, args, meta = _ternarize_args(w, abs_sum, scale, codes, float(numel), False, True, codes_t)
+    record_launch(_ternarize_kernel, grid, args, meta)
+    return codes, codes_t, scale
 
 
 def prepare_ternarize_from_sum(w: torch.Tensor, abs_sum: torch.Tensor, numel: int,

@@ -150,6 +150,22 @@ def test_ternarize_from_sum_matches_reference(shape, dtype, pack):
         assert torch.equal(codes, bq.ternarize(w, g_ref, pack=pack))
 
 
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", ROW_SHAPES + [(65, 130), (130, 65)])
+def test_ternarize_from_sum_transposed_writes_both_layouts(shape, dtype):
+    """The codes and their contiguous transpose from one kernel: the codes are
+    ternarize_from_sum's (and the reference's), the transpose is theirs, and the scale is
+    the reference's (square tiles, ragged in both directions)."""
+    w = (torch.randn(*shape, device=DEVICE) * 0.02).to(dtype)
+    abs_sum, numel = torch.linalg.vector_norm(w, 1, dtype=torch.float32), w.numel()
+    codes, codes_t, g = _twice(bq.ternarize_from_sum_transposed, w, abs_sum, numel)
+    want_codes, want_g = bq.ternarize_from_sum(w, abs_sum, numel)
+    assert torch.equal(g, want_g) and torch.equal(codes, want_codes)
+    assert codes_t.shape == (shape[1], shape[0]) and codes_t.is_contiguous()
+    assert torch.equal(codes_t, codes.t())
+    _assert_codes_match(codes, bq.ternarize_reference(w, bq.absmean_scale_reference(w, abs_sum, numel)))
+
+
 @pytest.mark.parametrize("shape", ROW_SHAPES)
 def test_prepared_ternarize_from_sum_follows_its_inputs(shape):
     """A prepared launch (FSDP2's per-step re-pack) rewrites its buffers from the weight's
@@ -489,6 +505,49 @@ def test_compiled_bitnet_quantizes_a_shared_input_once():
     kernels = 3 if DEVICE == "cuda" else 0  # the int8 matmuls, and nothing else of ours
     assert count(forward, "triton_kernel_wrapper") == kernels
     assert count(backward, "triton_kernel_wrapper") == kernels
+
+
+def test_compiled_bitnet_saves_the_transposed_codes_of_a_latent_weight():
+    """An unsharded latent weight under torch.compile, partitioned as Inductor partitions:
+    the forward quantizes it with one launch of the ternarize kernel, which also writes the
+    transposed codes, and the backward reads those (saved, 1 byte per element) instead of
+    recomputing them from the fp32 weight. Results equal the eager layer's."""
+    import torch.nn.functional as F
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from titan_lowbit.bitnet import BitNetTrainingWeight
+
+    torch._dynamo.reset()
+    m, k, n = (33, 64, 48) if DEVICE == "cpu" else (1000, 512, 384)
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.nn.Parameter(BitNetTrainingWeight(torch.randn(n, k, device=DEVICE) * k**-0.5, True))
+    dy = torch.randn(m, n, device=DEVICE, dtype=torch.bfloat16)
+    graphs = []
+    backend = _recording_backend(graphs, partition_fn=min_cut_rematerialization_partition)
+
+    def run(fn):
+        x.grad = weight.grad = None
+        fn(x, weight).backward(dy)
+        return x.grad, weight.grad
+
+    eager = run(F.linear)
+    compiled = run(torch.compile(F.linear, backend=backend, fullgraph=True))
+    for a, b in zip(compiled, eager):
+        assert torch.equal(a, b)
+    if DEVICE != "cuda":
+        return  # the references are torch ops, which the partitioner may recompute
+
+    def count(gm, name):
+        return sum(1 for node in gm.graph.nodes if name in str(node.target))
+
+    forward, backward = graphs
+    assert count(forward, "triton_kernel_wrapper") == 2  # ternarize, forward matmul
+    assert count(backward, "triton_kernel_wrapper") == 1  # grad_input matmul
+    (outputs,) = [node.args[0] for node in forward.graph.nodes if node.op == "output"]
+    saved = [tuple(o.meta["val"].shape) for o in outputs[1:] if o.meta["val"].dtype == torch.int8]
+    assert (k, n) in saved, saved
+    inputs = [node.meta["val"] for node in backward.graph.nodes if node.op == "placeholder"]
+    assert not any(t.dtype == torch.float32 and tuple(t.shape) == (n, k) for t in inputs)
 
 
 def _assert_same_but_for_the_weight_scale(a, b):

@@ -8,9 +8,9 @@ operator with a fake kernel, launching through ``bitnet_launch.FastKernel`` (the
 host time per call).
 
 While torch.compile traces, the same implementations run with ``traced=True``:
-- the quantizations (activation and grad_output rows, the saved activation's
-  dequantization, the weight's ternarization) are their references' torch ops, the same
-  math. Inductor can fuse each into the kernel that produces its input (the RMSNorm
+- the row quantizations (activation and grad_output rows, the saved activation's
+  dequantization) and a weight shard's ternarization (tensor parallelism) are their
+  references' torch ops, the same math. Inductor can fuse each into the kernel that produces its input (the RMSNorm
   before wq/wk/wv, the SwiGLU product before w2, the gradients' producers), and the
   partitioner's common-subexpression pass quantizes an input shared by several layers
   once (wq/wk/wv, w1/w3): faster and less memory than launching our quantization
@@ -18,8 +18,13 @@ While torch.compile traces, the same implementations run with ``traced=True``:
 - forward and backward are ``torch.library.triton_op`` operators, which torch.compile
   decomposes into those torch ops and a ``wrap_triton`` launch of the int8 matmul (ours:
   Inductor has no int8 GEMM with these epilogues), so Inductor allocates the buffers and
-  launches the kernel from its generated code. The weight quantizations, torch ops only,
-  are traced as they are.
+  launches the kernel from its generated code. A whole weight's quantization is a
+  ``triton_op`` too: sum |W| as a torch op, then a recorded launch of our ternarize kernel,
+  which writes the codes and their transpose (grad_input's operand) from one read of the
+  fp32 weight. Being a kernel launch, the partitioner keeps its transposed codes for the
+  backward (1 byte per weight element) rather than recomputing them there from the fp32
+  weight (4 bytes read per element, and a strided transposed write) as it did with the
+  torch ops; the weight-shard quantization, torch ops only, is traced as it is.
 A compiled BitNet layer thus costs no Python of ours per step; with the eager operators
 inside a compiled graph every call re-entered Python (about 1 ms of host time per layer
 per step on the H100 machine, more than the GPU time BitNet saves at 1B scale).
@@ -29,7 +34,8 @@ compiled operators while torch.compile traces (``_compiling``).
 
 Forward of ``y = x W^T + b`` (x: [..., K], W: [N, K]):
     x codes, s_x = row-wise abs-max int8 of x            (one fused kernel)
-    W codes, g   = ternary codes and abs-mean scale of W  (precomputed when gathered by FSDP)
+    W codes, g   = ternary codes and abs-mean scale of W  (precomputed when gathered by FSDP;
+                   unsharded: one kernel also writes W codes^T for the backward)
     y            = (x codes @ W codes^T) * s_x * g        (int8 tensor cores, scales in the epilogue)
 Backward (straight-through: the rounding and clamping pass gradients unchanged, i.e. the
 gradients are those of y = x^ W^T with x^ = x codes * s_x and W^ = W codes * g):
@@ -115,10 +121,20 @@ def _ternarize_from_sum(w: torch.Tensor, abs_sum: torch.Tensor, numel: int,
 
 # The implementations, shared by the eager and the compiled operators.
 
-def _quantize_weight(w: torch.Tensor, traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ternary codes (int8) and abs-mean scale (fp32, 0-d) of an unsharded 2-D weight."""
+def _quantize_weight(w: torch.Tensor,
+                     traced: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ternary codes (int8 [N, K]), the same codes transposed (int8 [K, N], contiguous:
+    grad_input's K-major operand, written by the same kernel instead of a copy in the
+    backward) and the abs-mean scale (fp32, 0-d) of an unsharded 2-D weight [N, K].
+    ``traced``: the kernel's launch is recorded for Inductor (module docstring)."""
     abs_sum = _q.weight_abs_sum(w)
-    return _ternarize_from_sum(w, abs_sum, w.numel(), pack=False, traced=traced)
+    if _on_gpu(w):
+        if traced:
+            return _q.record_ternarize_from_sum_transposed(w.contiguous(), abs_sum, w.numel())
+        return _q.ternarize_from_sum_transposed(w, abs_sum, w.numel())
+    scale = _q.absmean_scale_reference(w, abs_sum, w.numel())
+    codes = _q.ternarize_reference(w, scale)
+    return codes, codes.t().contiguous(), scale
 
 
 def _quantize_weight_shard(w: torch.Tensor, abs_sum: torch.Tensor, numel: int,
@@ -140,17 +156,22 @@ def _linear_forward(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tenso
 def _linear_backward(dy: torch.Tensor, x_codes: torch.Tensor, x_scale: torch.Tensor,
                      w_codes: torch.Tensor, w_scale: torch.Tensor, dy_amax: torch.Tensor | None,
                      int8_backward: bool, need_dx: bool, need_dw: bool,
-                     dw_dtype: torch.dtype, traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     dw_dtype: torch.dtype, w_transposed: bool = False,
+                     traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dW) of the straight-through BitNet linear for 2-D dy; an empty tensor stands
     for a gradient that is not needed. ``dy_amax``: the rows' abs-max when dy is a shard
-    of its rows (else computed from dy)."""
+    of its rows (else computed from dy). ``w_transposed``: ``w_codes`` holds the codes
+    transposed ([K, N] contiguous, from ``_quantize_weight``), else as the forward used
+    them ([N, K])."""
     if need_dx:
         if int8_backward:
             dy_codes, dy_scale = _quantize_rows(dy, dy_amax, traced)
-            # K-major copy of the ternary weight for the int8 tensor cores ([K, N]).
-            dx = _int8_mm(dy_codes, w_codes.t().contiguous(), dy_scale, w_scale, dy.dtype, traced)
+            # The int8 tensor cores take the ternary weight K-major ([K, N]).
+            w_kn = w_codes if w_transposed else w_codes.t().contiguous()
+            dx = _int8_mm(dy_codes, w_kn, dy_scale, w_scale, dy.dtype, traced)
         else:
-            dx = torch.mm(dy, (w_codes.to(torch.float32) * w_scale).to(dy.dtype))
+            w_nk = w_codes.t() if w_transposed else w_codes
+            dx = torch.mm(dy, (w_nk.to(torch.float32) * w_scale).to(dy.dtype))
     else:
         dx = dy.new_empty((0,))
     if need_dw:
@@ -163,11 +184,12 @@ def _linear_backward(dy: torch.Tensor, x_codes: torch.Tensor, x_scale: torch.Ten
 # Eager operators: plain Library definitions with fake kernels.
 
 def _quantize_weight_fake(w):
-    return w.new_empty(w.shape, dtype=torch.int8), w.new_empty((), dtype=torch.float32)
+    return (w.new_empty(w.shape, dtype=torch.int8), w.new_empty(w.shape[::-1], dtype=torch.int8),
+            w.new_empty((), dtype=torch.float32))
 
 
 def _quantize_weight_shard_fake(w, abs_sum, numel):
-    return _quantize_weight_fake(w)
+    return w.new_empty(w.shape, dtype=torch.int8), w.new_empty((), dtype=torch.float32)
 
 
 def _linear_forward_fake(x, w_codes, w_scale, x_amax):
@@ -176,13 +198,14 @@ def _linear_forward_fake(x, w_codes, w_scale, x_amax):
 
 
 def _linear_backward_fake(dy, x_codes, x_scale, w_codes, w_scale, dy_amax, int8_backward,
-                          need_dx, need_dw, dw_dtype):
+                          need_dx, need_dw, dw_dtype, w_transposed):
     dx = dy.new_empty(x_codes.shape) if need_dx else dy.new_empty((0,))
-    dw = dy.new_empty(w_codes.shape, dtype=dw_dtype) if need_dw else dy.new_empty((0,))
+    w_shape = w_codes.shape[::-1] if w_transposed else w_codes.shape
+    dw = dy.new_empty(w_shape, dtype=dw_dtype) if need_dw else dy.new_empty((0,))
     return dx, dw
 
 
-_QUANTIZE_WEIGHT = _define("bitnet_quantize_weight(Tensor w) -> (Tensor, Tensor)",
+_QUANTIZE_WEIGHT = _define("bitnet_quantize_weight(Tensor w) -> (Tensor, Tensor, Tensor)",
                            _quantize_weight, _quantize_weight_fake)
 _QUANTIZE_WEIGHT_SHARD = _define(
     "bitnet_quantize_weight_shard(Tensor w, Tensor abs_sum, int numel) -> (Tensor, Tensor)",
@@ -194,13 +217,18 @@ _LINEAR_FORWARD = _define(
 _LINEAR_BACKWARD = _define(
     "bitnet_linear_backward(Tensor dy, Tensor x_codes, Tensor x_scale, Tensor w_codes, "
     "Tensor w_scale, Tensor? dy_amax, bool int8_backward, bool need_dx, bool need_dw, "
-    "ScalarType dw_dtype) "
+    "ScalarType dw_dtype, bool w_transposed) "
     "-> (Tensor, Tensor)",
     _linear_backward, _linear_backward_fake)
 
 
 # Compiled operators: triton_op, traced by torch.compile into torch ops and kernel
 # launches (the function is its own fake kernel). Annotated, for the schema.
+
+@torch.library.triton_op("titan_lowbit::bitnet_quantize_weight_traced", mutates_args=())
+def _quantize_weight_traced(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _quantize_weight(w, traced=True)
+
 
 @torch.library.triton_op("titan_lowbit::bitnet_linear_forward_traced", mutates_args=())
 def _linear_forward_traced(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
@@ -213,10 +241,10 @@ def _linear_forward_traced(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torc
 def _linear_backward_traced(dy: torch.Tensor, x_codes: torch.Tensor, x_scale: torch.Tensor,
                             w_codes: torch.Tensor, w_scale: torch.Tensor,
                             dy_amax: Optional[torch.Tensor], int8_backward: bool, need_dx: bool,
-                            need_dw: bool, dw_dtype: torch.dtype
+                            need_dw: bool, dw_dtype: torch.dtype, w_transposed: bool
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     return _linear_backward(dy, x_codes, x_scale, w_codes, w_scale, dy_amax, int8_backward,
-                            need_dx, need_dw, dw_dtype, traced=True)
+                            need_dx, need_dw, dw_dtype, w_transposed, traced=True)
 
 
 def _compiling(t: torch.Tensor) -> bool:
@@ -227,11 +255,10 @@ def _compiling(t: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() or is_fake(t)
 
 
-def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ternary codes (int8) and abs-mean scale (fp32, 0-d) of an unsharded 2-D weight."""
-    if _compiling(w):
-        return _quantize_weight(w, traced=True)  # torch ops only: traced as they are
-    return _QUANTIZE_WEIGHT(w)
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ternary codes (int8 [N, K]), the codes transposed ([K, N]) and abs-mean scale (fp32,
+    0-d) of an unsharded 2-D weight (``_quantize_weight``)."""
+    return (_quantize_weight_traced if _compiling(w) else _QUANTIZE_WEIGHT)(w)
 
 
 def quantize_weight_shard(w: torch.Tensor, abs_sum: torch.Tensor,
@@ -250,12 +277,12 @@ def linear_forward(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor
 
 
 def linear_backward(dy, x_codes, x_scale, w_codes, w_scale, dy_amax, int8_backward: bool,
-                    need_dx: bool, need_dw: bool,
-                    dw_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                    need_dx: bool, need_dw: bool, dw_dtype: torch.dtype,
+                    w_transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dW) of the BitNet backward for 2-D dy (``_linear_backward``)."""
     return (_linear_backward_traced if _compiling(dy) else _LINEAR_BACKWARD)(
         dy, x_codes, x_scale, w_codes, w_scale, dy_amax, int8_backward, need_dx, need_dw,
-        dw_dtype)
+        dw_dtype, w_transposed)
 
 
 def absmean_scale(w: torch.Tensor) -> torch.Tensor:
@@ -310,7 +337,9 @@ class BitNetLinearFunction(torch.autograd.Function):
     """y = x^ W^T + b with straight-through gradients (see the module docstring).
 
     ``weight`` is passed only so autograd routes dW to it (its dtype is dW's dtype);
-    the forward reads the weight through ``w_codes`` and ``w_scale``.
+    the forward reads the weight through ``w_codes`` and ``w_scale``. ``w_codes_t``, when
+    given, is ``w_codes`` transposed ([K, N], from ``quantize_weight``): backward keeps it
+    instead of ``w_codes`` and uses it as is (else it transposes ``w_codes``).
 
     Tensor parallelism passes shards: ``x_amax`` is the abs-max of x's rows over all
     shards of the row (row-wise parallel: x holds a slice of the input features), and
@@ -321,11 +350,12 @@ class BitNetLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, w_codes, w_scale, bias, int8_backward: bool,
-                x_amax=None, dy_rows_group=None):
+                x_amax=None, dy_rows_group=None, w_codes_t=None):
         y, x_codes, x_scale = linear_forward(x.reshape(-1, x.shape[-1]), w_codes, w_scale, x_amax)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        ctx.save_for_backward(x_codes, x_scale, w_codes, w_scale)
+        ctx.w_transposed = w_codes_t is not None
+        ctx.save_for_backward(x_codes, x_scale, w_codes if w_codes_t is None else w_codes_t, w_scale)
         ctx.x_shape = x.shape
         ctx.weight_dtype = weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -343,12 +373,13 @@ class BitNetLinearFunction(torch.autograd.Function):
         if ctx.dy_rows_group is not None and need_dx and ctx.int8_backward:
             dy_amax = all_reduce_row_absmax(dy2, ctx.dy_rows_group)
         dx, dw = linear_backward(dy2, x_codes, x_scale, w_codes, w_scale, dy_amax,
-                                 ctx.int8_backward, need_dx, need_dw, ctx.weight_dtype)
+                                 ctx.int8_backward, need_dx, need_dw, ctx.weight_dtype,
+                                 ctx.w_transposed)
         db = None
         if ctx.bias_dtype is not None and ctx.needs_input_grad[4]:
             db = dy2.sum(dim=0, dtype=torch.float32).to(ctx.bias_dtype)
         return (dx.view(ctx.x_shape) if need_dx else None, dw if need_dw else None,
-                None, None, db, None, None, None)
+                None, None, db, None, None, None, None)
 
 
 def bitnet_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -69,12 +69,13 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     x = autocast_input(x)
     check_dtypes(x, weight)
     if isinstance(weight, BitNetTernaryWeight):
-        codes, scale, int8_bwd = weight._codes, weight._scale, weight._int8_backward
-    else:
-        latent = weight._data
-        codes, scale = ops.quantize_weight(latent)
-        int8_bwd = weight._int8_backward
-    return ops.BitNetLinearFunction.apply(x, weight, codes, scale, bias, int8_bwd)
+        # gathered codes: backward transposes them (keeping a transposed copy from the
+        # forward would hold every gathered layer's codes until its backward)
+        return ops.BitNetLinearFunction.apply(x, weight, weight._codes, weight._scale, bias,
+                                              weight._int8_backward)
+    codes, codes_t, scale = ops.quantize_weight(weight._data)
+    return ops.BitNetLinearFunction.apply(x, weight, codes, scale, bias, weight._int8_backward,
+                                          None, None, codes_t)
 
 
 def autocast_input(x: torch.Tensor) -> torch.Tensor:
