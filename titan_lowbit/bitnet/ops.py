@@ -10,11 +10,11 @@ host time per call).
 While torch.compile traces, the same implementations run with ``traced=True``:
 - the row quantizations (activation and grad_output rows, the saved activation's
   dequantization) and a weight shard's ternarization (tensor parallelism) are their
-  references' torch ops, the same math. Inductor can fuse each into the kernel that produces its input (the RMSNorm
-  before wq/wk/wv, the SwiGLU product before w2, the gradients' producers), and the
-  partitioner's common-subexpression pass quantizes an input shared by several layers
-  once (wq/wk/wv, w1/w3): faster and less memory than launching our quantization
-  kernels from the graph (figures in docs/bitnet.md);
+  references' torch ops, the same math. Inductor can fuse each into the kernel that
+  produces its input (the RMSNorm before wq/wk/wv, the SwiGLU product before w2, the
+  gradients' producers), and the partitioner's common-subexpression pass quantizes an
+  input shared by several layers once (wq/wk/wv, w1/w3): faster and less memory than
+  launching our quantization kernels from the graph (figures in docs/bitnet.md);
 - forward and backward are ``torch.library.triton_op`` operators, which torch.compile
   decomposes into those torch ops and a ``wrap_triton`` launch of the int8 matmul (ours:
   Inductor has no int8 GEMM with these epilogues), so Inductor allocates the buffers and
