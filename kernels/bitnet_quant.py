@@ -410,9 +410,8 @@ def record_ternarize_from_sum_transposed(w: torch.Tensor, abs_sum: torch.Tensor,
     """``ternarize_from_sum_transposed`` recorded in the graph torch.compile is building
     (inside a ``torch.library.triton_op``): Inductor launches the kernel itself. ``w``
     must have contiguous rows."""
-    R, C = w.shape
-    codes = torch.empty((R, C), dtype=torch.int8, device=w.device)
-    codes_t = torch.empty((C, R), dtype=torch.int8, device=w.device)
+    codes = _ternarize_out(w, pack=False)
+    codes_t = torch.empty((w.shape[1], w.shape[0]), dtype=torch.int8, device=w.device)
     scale = torch.empty((), dtype=torch.float32, device=w.device)
     grid, args, meta = _ternarize_args(w, abs_sum, scale, codes, float(numel), False, True, codes_t)
     record_launch(_ternarize_kernel, grid, args, meta)

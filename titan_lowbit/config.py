@@ -67,7 +67,8 @@ class LowBit:
     """Under compile.enable, let Inductor keep a row in registers (one read of the row)
     for the row quantizations it fuses, on rows up to 8192 elements whose inputs fit
     (titan_lowbit/bitnet/row_reductions.py); False keeps Inductor's default (rows over
-    1024 elements are read twice). Same values either way."""
+    1024 elements are read twice). Same math; as with any change of Inductor's fusion, an
+    intermediate may be rounded at a different point."""
 
     def __post_init__(self) -> None:
         _check_choice("weight_dtype", self.weight_dtype, WEIGHT_DTYPES)

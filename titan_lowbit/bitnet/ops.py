@@ -132,8 +132,7 @@ def _quantize_weight(w: torch.Tensor,
         if traced:
             return _q.record_ternarize_from_sum_transposed(w.contiguous(), abs_sum, w.numel())
         return _q.ternarize_from_sum_transposed(w, abs_sum, w.numel())
-    scale = _q.absmean_scale_reference(w, abs_sum, w.numel())
-    codes = _q.ternarize_reference(w, scale)
+    codes, scale = _ternarize_from_sum(w, abs_sum, w.numel(), pack=False)
     return codes, codes.t().contiguous(), scale
 
 

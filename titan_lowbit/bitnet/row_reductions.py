@@ -34,6 +34,7 @@ import logging
 
 import sympy
 import torch._inductor.config as inductor_config
+import triton
 from torch._inductor.choices import InductorChoices
 from torch._inductor.dependencies import MemoryDep
 from torch._inductor.runtime.hints import ReductionHint
@@ -54,10 +55,6 @@ def _static_int(expr) -> int | None:
     """The value of a size that is a known integer (static shapes), else None."""
     expr = sympy.sympify(expr)
     return int(expr) if expr.is_Integer else None
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def row_inputs(features) -> int:
@@ -91,7 +88,7 @@ def keeps_row_in_registers(features, cooperative_reduction: bool) -> bool:
     row, rows = _static_int(features.reduction_numel), _static_int(features.numel)
     if row is None or rows is None or rows < MIN_ROWS:
         return False
-    padded = _next_power_of_2(row)
+    padded = triton.next_power_of_2(row)
     return padded <= MAX_ROW and padded * row_inputs(features) <= REGISTER_BUDGET
 
 
