@@ -428,18 +428,30 @@ def prepare_ternarize_from_sum(w: torch.Tensor, abs_sum: torch.Tensor, numel: in
     call. ``w`` and ``abs_sum`` must stay the same tensors (their values may change);
     ``w``'s rows must be contiguous (a copy would freeze its values).
     """
+    launch, out, _, scale = _prepare_ternarize(w, abs_sum, numel, pack, transposed=False)
+    return launch, out, scale
+
+
+def prepare_ternarize_from_sum_transposed(w: torch.Tensor, abs_sum: torch.Tensor, numel: int):
+    """``ternarize_from_sum_transposed`` prepared for repeated calls (as
+    ``prepare_ternarize_from_sum``): returns (launch, codes, codes^T, scale)."""
+    return _prepare_ternarize(w, abs_sum, numel, False, transposed=True)
+
+
+def _prepare_ternarize(w, abs_sum, numel, pack: bool, transposed: bool):
     _check_from_sum_inputs(w, abs_sum)
     if w.stride(1) != 1:
         raise ValueError(f"BitNet: a prepared ternarize needs contiguous rows, got strides {w.stride()}")
     scale = torch.empty((), dtype=torch.float32, device=w.device)
     out = _ternarize_out(w, pack)
+    out_t = torch.empty((w.shape[1], w.shape[0]), dtype=torch.int8, device=w.device) if transposed else None
     if out.numel() == 0:
         def launch() -> None:
             scale.copy_(absmean_scale_reference(w, abs_sum, int(numel)))
     else:
-        grid, args, meta = _ternarize_args(w, abs_sum, scale, out, float(numel), pack, True)
+        grid, args, meta = _ternarize_args(w, abs_sum, scale, out, float(numel), pack, True, out_t)
         launch = _TERNARIZE.prepare(grid, args, **meta)
-    return launch, out, scale
+    return launch, out, out_t, scale
 
 
 def ternarize_reference(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -380,6 +380,14 @@ def _recording_backend(graphs: list, partition_fn=None):
     return backend
 
 
+def _linear_fwd_bwd(fn, x, weight, dy):
+    """(y, dx, dW) of fn(x, weight) with grad_output dy."""
+    x.grad = weight.grad = None
+    y = fn(x, weight)
+    y.backward(dy)
+    return y.detach(), x.grad, weight.grad
+
+
 # On a GPU the compiled graph records the int8 matmul variant that times faster per shape;
 # the tests below also force each one, so both run inside Inductor's and AOT's graphs.
 TRACED_VARIANTS = ["timed", "pointer", "device_tma"] if DEVICE == "cuda" else ["timed"]
@@ -416,10 +424,7 @@ def test_compiled_bitnet_linear_equals_eager(gathered, int8_backward, traced_var
     backend = _recording_backend(graphs)
 
     def run(fn):
-        x.grad = weight.grad = None
-        y = fn(x, weight)
-        y.backward(dy)
-        return y.detach(), x.grad, weight.grad
+        return _linear_fwd_bwd(fn, x, weight, dy)
 
     eager = run(F.linear)
     backends = [backend] + (["inductor"] if DEVICE == "cuda" else [])
@@ -548,6 +553,58 @@ def test_compiled_bitnet_saves_the_transposed_codes_of_a_latent_weight():
     assert (k, n) in saved, saved
     inputs = [node.meta["val"] for node in backward.graph.nodes if node.op == "placeholder"]
     assert not any(t.dtype == torch.float32 and tuple(t.shape) == (n, k) for t in inputs)
+
+
+def test_compiled_bitnet_reads_kept_codes():
+    """An unsharded latent weight whose ternary codes were kept (``refresh_ternary_codes``,
+    on the device: one multi-tensor sum |W| and one ternarize launch) is quantized
+    nowhere in the compiled graphs: the codes, transposed codes and scale are graph inputs,
+    the only launches of ours are the two int8 matmuls, and the results equal the eager
+    layer's with the same codes bit for bit."""
+    import torch.nn.functional as F
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from titan_lowbit.bitnet import BitNetTrainingWeight, ops, refresh_ternary_codes
+
+    torch._dynamo.reset()
+    m, k, n = (33, 64, 48) if DEVICE == "cpu" else (1000, 512, 384)
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.nn.Parameter(BitNetTrainingWeight(torch.randn(n, k, device=DEVICE) * k**-0.5, True))
+    dy = torch.randn(m, n, device=DEVICE, dtype=torch.bfloat16)
+    assert refresh_ternary_codes([weight]) == 1
+    assert refresh_ternary_codes([weight]) == 0  # still fresh
+    abs_sum = weight._data.abs().sum(dtype=torch.float32)
+    codes, codes_t, scale = weight.ternary_codes()
+    torch.testing.assert_close(scale, torch.clamp(abs_sum / weight.numel(), min=ops.EPS))
+    want = ops.quantize_weight_from_sum(weight._data, torch._foreach_norm([weight._data], 1,
+                                                                          dtype=torch.float32)[0])
+    for got, ref in zip((codes, codes_t, scale), want):
+        assert torch.equal(got, ref)
+    assert torch.equal(codes_t, bq.ternarize_reference(weight._data, scale).t())
+    graphs = []
+    backend = _recording_backend(graphs, partition_fn=min_cut_rematerialization_partition)
+
+    def run(fn):
+        return _linear_fwd_bwd(fn, x, weight, dy)
+
+    eager = run(F.linear)
+    for be in [backend] + (["inductor"] if DEVICE == "cuda" else []):
+        compiled = run(torch.compile(F.linear, backend=be, fullgraph=True))
+        for name, a, b in zip(("y", "dx", "dW"), compiled, eager):
+            assert torch.equal(a, b), (be, name)
+
+    def count(gm, name):
+        return sum(1 for node in gm.graph.nodes if name in str(node.target))
+
+    forward, backward = graphs
+    kernels = 1 if DEVICE == "cuda" else 0  # the int8 matmul, no ternarize
+    assert count(forward, "triton_kernel_wrapper") == kernels
+    assert count(backward, "triton_kernel_wrapper") == kernels
+    placeholders = [node for node in forward.graph.nodes if node.op == "placeholder"]
+    latent = [p for p in placeholders if p.meta["val"].dtype == torch.float32 and p.meta["val"].dim() == 2]
+    assert all(not p.users for p in latent), "the forward reads the latent weight"
+    int8_inputs = [tuple(p.meta["val"].shape) for p in placeholders if p.meta["val"].dtype == torch.int8]
+    assert sorted(int8_inputs) == sorted([(n, k), (k, n)]), int8_inputs
 
 
 def _assert_same_but_for_the_weight_scale(a, b):

@@ -258,3 +258,155 @@ def test_optimizer_step_and_state_dict_keep_the_subclass(tmp_path):
     plain = _Toy()  # a BitNet checkpoint loads into the unconverted model too
     plain.load_state_dict(torch.load(tmp_path / "sd.pt", weights_only=True))
     assert torch.equal(plain.proj.weight, model.proj.weight._data)
+
+
+def _twins(seed=0):
+    """The same MLP converted with and without kept ternary codes."""
+    kept, fresh = _mlp(seed), _mlp(seed)
+    convert_to_bitnet(kept, [], keep_codes=True)
+    convert_to_bitnet(fresh, [])
+    return kept, fresh
+
+
+def _expected_codes(w):
+    return ops.quantize_weight_from_sum(w._data, torch._foreach_norm([w._data], 1, dtype=torch.float32)[0])
+
+
+def test_kept_codes_are_the_weights_codes_and_change_nothing():
+    kept, fresh = _twins()
+    opt_k = torch.optim.AdamW(kept.parameters(), lr=1e-2, foreach=True)
+    opt_f = torch.optim.AdamW(fresh.parameters(), lr=1e-2, foreach=True)
+    torch.manual_seed(1)
+    for step in range(3):
+        x = torch.randn(2, 5, 48)
+        y_k, y_f = kept(x), fresh(x)
+        torch.testing.assert_close(y_k, y_f, rtol=0, atol=0)
+        for w in (kept[0].weight, kept[2].weight):
+            codes = w.ternary_codes()
+            assert codes is not None, f"step {step}: no codes kept after the forward"
+            for got, want in zip(codes, _expected_codes(w)):
+                assert torch.equal(got, want)
+        assert fresh[0].weight.ternary_codes() is None  # keep_codes=False keeps none
+        y_k.square().sum().backward()
+        y_f.square().sum().backward()
+        for pk, pf in zip(kept.parameters(), fresh.parameters()):
+            torch.testing.assert_close(pk.grad, pf.grad, rtol=0, atol=0)
+        opt_k.step()
+        opt_f.step()
+        # torch's foreach step bumps no version counter: the step itself marks codes stale
+        assert kept[0].weight.ternary_codes() is None
+        opt_k.zero_grad()
+        opt_f.zero_grad()
+
+
+class _RawWriteOptimizer(torch.optim.Optimizer):
+    """Writes the latent weight the way a fused kernel does: past torch's dispatch."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p._data.mul_(-1.0)
+
+
+@pytest.mark.parametrize("edit", ["inplace_op", "data_attr", "load_state_dict", "state_dict_alias",
+                                  "kernel_optimizer"])
+def test_kept_codes_go_stale_when_the_weight_changes(edit):
+    kept, fresh = _twins()
+    x = torch.randn(3, 48)
+    kept(x)
+    w = kept[0].weight
+    assert w.ternary_codes() is not None
+    with torch.no_grad():
+        if edit == "inplace_op":
+            w.mul_(-1.0)
+        elif edit == "data_attr":
+            w.data.mul_(-1.0)
+        elif edit == "load_state_dict":
+            sd = {k: v.clone() for k, v in kept.state_dict().items()}
+            sd["0.weight"].mul_(-1.0)
+            kept.load_state_dict(sd)
+        elif edit == "state_dict_alias":  # DCP loads in place into the state dict's tensors
+            kept.state_dict()["0.weight"].mul_(-1.0)
+        else:
+            _RawWriteOptimizer([w]).step()
+    assert w.ternary_codes() is None, f"{edit}: codes of the old values still reported"
+    with torch.no_grad():
+        fresh[0].weight._data.copy_(w._data)
+    torch.testing.assert_close(kept(x), fresh(x), rtol=0, atol=0)
+    assert w.ternary_codes() is not None
+
+
+def test_converter_option_turns_kept_codes_on():
+    model = _Toy()
+    CONVERTERS["bitnet"](_job(), SimpleNamespace(tp_enabled=False)).convert(model)
+    model(torch.randint(0, 50, (2, 6)))
+    assert model.proj.weight.ternary_codes() is None  # off by default
+    model = _Toy()
+    CONVERTERS["bitnet"](_job(bitnet_keep_codes=True), SimpleNamespace(tp_enabled=False)).convert(model)
+    model(torch.randint(0, 50, (2, 6)))
+    assert model.proj.weight.ternary_codes() is not None
+
+
+def test_compiled_layers_take_kept_codes_without_recompiling_each_step():
+    from torch._dynamo.utils import counters
+
+    kept, fresh = _twins()
+    torch._dynamo.reset()
+    counters.clear()
+    for i in (0, 2):
+        kept[i].compile(backend="aot_eager", fullgraph=True)
+    opt_k = torch.optim.AdamW(kept.parameters(), lr=1e-2)
+    opt_f = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    for _ in range(4):
+        x = torch.randn(4, 48)
+        y_k, y_f = kept(x), fresh(x)
+        torch.testing.assert_close(y_k, y_f, rtol=1e-5, atol=1e-5)
+        y_k.square().sum().backward()
+        y_f.square().sum().backward()
+        torch.testing.assert_close(kept[0].weight.grad, fresh[0].weight.grad, rtol=1e-4, atol=1e-5)
+        opt_k.step()
+        opt_f.step()
+        opt_k.zero_grad()
+        opt_f.zero_grad()
+    # one graph per layer (the codes are graph inputs), not one per step
+    assert counters["stats"]["unique_graphs"] == 2
+    # a layer called while its codes are stale gets a graph that quantizes in the forward
+    with torch.no_grad():
+        kept[0].weight.mul_(0.5)
+        fresh[0].weight.mul_(0.5)
+    torch.testing.assert_close(kept[0](x), fresh[0](x), rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 3
+
+
+def test_post_optimizer_hook_refreshes_kept_codes():
+    model = _Toy()
+    conv = CONVERTERS["bitnet"](_job(bitnet_keep_codes=True), SimpleNamespace(tp_enabled=False))
+    conv.convert(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randint(0, 50, (2, 6))).sum().backward()
+    w = model.proj.weight
+    buffers = w.ternary_codes()
+    opt.step()
+    assert w.ternary_codes() is None
+    conv.post_optimizer_hook([model])
+    codes = w.ternary_codes()
+    assert codes is not None
+    assert all(a is b for a, b in zip(codes, buffers))  # rewritten in place
+    for got, want in zip(codes, _expected_codes(w)):
+        assert torch.equal(got, want)
+
+
+def test_backward_holding_old_codes_raises_after_a_refresh():
+    kept, _ = _twins()
+    x = torch.randn(3, 48)
+    y = kept(x)
+    with torch.no_grad():
+        kept[2].weight.mul_(0.5)
+    from titan_lowbit.bitnet import refresh_ternary_codes
+    assert refresh_ternary_codes(kept.parameters()) == 2
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()

@@ -59,6 +59,16 @@ class LowBit:
     """Compute every BitNet weight scale after the optimizer step with one all-reduce
     for all layers (instead of one all-reduce per layer inside the all-gather)."""
 
+    bitnet_keep_codes: bool = False
+    """Unsharded BitNet weights (one device, no FSDP or TP) keep their ternary codes
+    (and the codes transposed, for grad_input) from one optimizer step to the next,
+    computed after the optimizer step, instead of quantizing each weight in every
+    forward: 462 fewer kernel launches per forward of the 1B model, 2 bytes per weight
+    element kept between steps (about 0.9 GiB more peak memory at 1B). Same formula; the
+    scale's sum |W| is added in another order. Faster where the step waits on the host
+    (1B on one H100: +3 to 4% at batch 4, +8% with a host sync every step), 1.3% slower
+    at batch 8 (docs/bitnet.md), hence off by default."""
+
     bitnet_int8_backward: bool = True
     """Compute BitNet grad_input on int8 tensor cores (grad_output quantized row-wise);
     False computes it in the activation dtype."""

@@ -13,7 +13,12 @@ from titan_lowbit.bitnet.converter import (
 )
 from titan_lowbit.bitnet.linear import BitNetLinear
 from titan_lowbit.bitnet.tensor_parallel import enable_tensor_parallel
-from titan_lowbit.bitnet.weight import BitNetTernaryWeight, BitNetTrainingWeight, precompute_scales
+from titan_lowbit.bitnet.weight import (
+    BitNetTernaryWeight,
+    BitNetTrainingWeight,
+    precompute_scales,
+    refresh_ternary_codes,
+)
 
 __all__ = [
     "CONVERTERS",
@@ -26,4 +31,5 @@ __all__ = [
     "enable_tensor_parallel",
     "insert_subln",
     "precompute_scales",
+    "refresh_ternary_codes",
 ]

@@ -6,7 +6,9 @@
                   parallelism); the modules, FQNs and state-dict keys stay as they are.
                   Its ``post_optimizer_hook`` precomputes every weight's scale with one
                   all-reduce per sharded mesh dimension (``[lowbit]
-                  bitnet_precompute_scale``). Under ``compile.enable`` it makes
+                  bitnet_precompute_scale``). Unsharded weights keep their ternary
+                  codes from one optimizer step to the next (``[lowbit]
+                  bitnet_keep_codes``). Under ``compile.enable`` it makes
                   Inductor quantize rows in one pass where they fit
                   (``row_reductions``, ``[lowbit] bitnet_persistent_rows``).
 ``bitnet_subln``  model surgery for torchtitan's llama3 ``TransformerBlock``: an RMSNorm on
@@ -30,6 +32,8 @@ from titan_lowbit.bitnet.weight import (
     BitNetTrainingWeight,
     plain_weight_state_dict_hook,
     precompute_scales,
+    refresh_ternary_codes,
+    refresh_ternary_codes_hook,
 )
 from titan_lowbit.kernels.bitnet_quant import SUPPORTED_FLOAT_DTYPES
 
@@ -55,12 +59,15 @@ def _check_filter(model: nn.Module, filter_fqns: list[str]) -> None:
 
 
 def convert_to_bitnet(model: nn.Module, filter_fqns=DEFAULT_FILTER,
-                      int8_backward: bool = True) -> list[str]:
+                      int8_backward: bool = True, keep_codes: bool = False) -> list[str]:
     """Swap the weights of the model's nn.Linear layers for BitNet training weights.
 
     A layer is skipped when its FQN contains any fragment of ``filter_fqns``. Embeddings
     and every non-Linear module are never touched. State dicts keep plain tensors
-    (``plain_weight_state_dict_hook``). Returns the converted FQNs.
+    (``plain_weight_state_dict_hook``). ``keep_codes``: the model's forward first brings
+    the ternary codes of its unsharded weights up to date and the layers use those
+    (``refresh_ternary_codes``) instead of quantizing their weights in every forward.
+    Returns the converted FQNs.
     """
     filter_fqns = list(filter_fqns)
     _check_filter(model, filter_fqns)
@@ -101,6 +108,9 @@ def convert_to_bitnet(model: nn.Module, filter_fqns=DEFAULT_FILTER,
             f"converter 'bitnet' found no nn.Linear layers in {type(model).__name__}; "
             "remove 'bitnet' from [model] converters."
         )
+    if keep_codes and not getattr(model, "_bitnet_keeps_codes", False):
+        model.register_forward_pre_hook(refresh_ternary_codes_hook)
+        model._bitnet_keeps_codes = True
     return converted
 
 
@@ -111,21 +121,26 @@ class BitNetConverter:
         self.filter_fqns = list(_lowbit_option(job_config, "bitnet_filter", list(DEFAULT_FILTER)))
         self.precompute_scale = bool(_lowbit_option(job_config, "bitnet_precompute_scale", True))
         self.int8_backward = bool(_lowbit_option(job_config, "bitnet_int8_backward", True))
+        self.keep_codes = bool(_lowbit_option(job_config, "bitnet_keep_codes", False))
         self.converted: list[str] = []
         compiling = bool(getattr(getattr(job_config, "compile", None), "enable", False))
         if compiling and _lowbit_option(job_config, "bitnet_persistent_rows", True):
             row_reductions.install()
 
     def convert(self, model: nn.Module) -> None:
-        self.converted = convert_to_bitnet(model, self.filter_fqns, self.int8_backward)
+        self.converted = convert_to_bitnet(model, self.filter_fqns, self.int8_backward,
+                                           self.keep_codes)
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
         """After each optimizer step: every sharded weight's scale, one all-reduce per
-        sharded mesh dimension in all."""
-        if not self.precompute_scale:
-            return
+        sharded mesh dimension in all; the unsharded weights' kept codes (here, while the
+        GPU still runs the optimizer step, rather than in the next forward's pre-hook,
+        which then finds them fresh)."""
         parts = model if isinstance(model, (list, tuple)) else [model]
-        precompute_scales(p for part in parts for p in part.parameters())
+        if self.precompute_scale:
+            precompute_scales(p for part in parts for p in part.parameters())
+        if self.keep_codes:
+            refresh_ternary_codes(p for part in parts for p in part.parameters())
 
 
 def _normalize_input(module: nn.Module, args):

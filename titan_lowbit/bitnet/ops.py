@@ -127,7 +127,13 @@ def _quantize_weight(w: torch.Tensor,
     grad_input's K-major operand, written by the same kernel instead of a copy in the
     backward) and the abs-mean scale (fp32, 0-d) of an unsharded 2-D weight [N, K].
     ``traced``: the kernel's launch is recorded for Inductor (module docstring)."""
-    abs_sum = _q.weight_abs_sum(w)
+    return quantize_weight_from_sum(w, _q.weight_abs_sum(w), traced)
+
+
+def quantize_weight_from_sum(w: torch.Tensor, abs_sum: torch.Tensor, traced: bool = False
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_quantize_weight`` with the weight's sum |W| given (fp32, 0-d): codes [N, K],
+    codes^T [K, N] and g = max(abs_sum / numel, EPS), from one read of the weight on CUDA."""
     if _on_gpu(w):
         if traced:
             return _q.record_ternarize_from_sum_transposed(w.contiguous(), abs_sum, w.numel())
@@ -313,6 +319,22 @@ def prepare_pack_ternary_from_sum(w: torch.Tensor, abs_sum: torch.Tensor, numel:
         scale.copy_(g)
 
     return launch, packed, scale
+
+
+def prepare_quantize_weight_from_sum(w: torch.Tensor, abs_sum: torch.Tensor):
+    """``quantize_weight_from_sum`` prepared for repeated calls: (launch, codes, codes^T,
+    scale), where each ``launch()`` rewrites the three buffers from the current values of
+    ``w`` and ``abs_sum`` (same tensors every call): one prepared kernel launch on CUDA,
+    the references copied into the buffers elsewhere."""
+    if _on_gpu(w):
+        return _q.prepare_ternarize_from_sum_transposed(w, abs_sum, w.numel())
+    codes, codes_t, scale = quantize_weight_from_sum(w, abs_sum)  # the buffers
+
+    def launch() -> None:
+        for buf, value in zip((codes, codes_t, scale), quantize_weight_from_sum(w, abs_sum)):
+            buf.copy_(value)
+
+    return launch, codes, codes_t, scale
 
 
 def unpack_ternary(packed: torch.Tensor, cols: int, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -27,6 +27,12 @@ travels in the all-gather metadata (every rank holds the same value), not in the
 With precomputed sums, the packing itself also moves out of the all-gathers: the same hook
 re-packs every gathered shard into buffers kept between steps (``PackedShard``), and both
 all-gathers of the next step hand them over.
+
+Unsharded weights (one device, no FSDP or TP) keep their ternary codes between weight
+updates instead of quantizing in every forward: ``refresh_ternary_codes`` (a forward
+pre-hook the converter puts on the model) computes codes, transposed codes and scale of
+every stale weight at once, and a weight reports them only while its values are those
+they were computed from (``_generation``, below).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from titan_lowbit.bitnet import ops
@@ -58,6 +65,26 @@ _KEEP_TRAINING_SUBCLASS = {
 }
 _TERNARY_VIEWS = {aten.detach.default, aten.alias.default, aten.view.default, aten.as_strided.default}
 
+# Generation of the BitNet weights' values: every optimizer step (a global step pre-hook,
+# which also covers optimizers that write the latent weight from their own kernels) and
+# every in-place op on a BitNetTrainingWeight (a checkpoint load, a manual edit) starts a
+# new one. Ternary codes kept by a weight are valid only in the generation they were
+# computed in. (Tensor version counters cannot tell: torch's foreach and fused optimizers
+# do not bump them on a wrapper subclass or its inner tensor.)
+_generation = 0
+_step_hook = None
+
+
+def _new_generation(*_args, **_kwargs) -> None:
+    global _generation
+    _generation += 1
+
+
+def _watch_optimizer_steps() -> None:
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_pre_hook(_new_generation)
+
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for a BitNet weight (either subclass).
@@ -73,7 +100,8 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         # forward would hold every gathered layer's codes until its backward)
         return ops.BitNetLinearFunction.apply(x, weight, weight._codes, weight._scale, bias,
                                               weight._int8_backward)
-    codes, codes_t, scale = ops.quantize_weight(weight._data)
+    kept = weight.ternary_codes()
+    codes, codes_t, scale = kept if kept is not None else ops.quantize_weight(weight._data)
     return ops.BitNetLinearFunction.apply(x, weight, codes, scale, bias, weight._int8_backward,
                                           None, None, codes_t)
 
@@ -119,6 +147,14 @@ class BitNetTrainingWeight(_RoutesLinear):
     # FSDP2 all-gathers this weight (set by its first fsdp_pre_all_gather): only then does
     # precompute_scales pack it.
     _fsdp_gathered: bool
+    # Unsharded weights: ternary codes [N, K], the codes transposed [K, N] and the scale,
+    # computed by refresh_ternary_codes in generation _codes_generation (ternary_codes()).
+    _codes: torch.Tensor | None
+    _codes_t: torch.Tensor | None
+    _scale: torch.Tensor | None
+    _codes_generation: int
+    # their buffers and prepared launch (refresh_ternary_codes)
+    _kept: KeptCodes | None
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, int8_backward: bool = True):
@@ -134,22 +170,47 @@ class BitNetTrainingWeight(_RoutesLinear):
         self._precomputed_abs_sum = None
         self._packed_shard = None
         self._fsdp_gathered = False
+        self._codes = self._codes_t = self._scale = None
+        self._codes_generation = -1
+        self._kept = None
 
     def __repr__(self) -> str:
         return f"BitNetTrainingWeight({self._data!r}, int8_backward={self._int8_backward})"
 
+    def ternary_codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(codes, codes^T, scale) of the weight's current values, or None where they were
+        not computed in the current generation (module comment on _generation)."""
+        if self._codes is None or self._codes_generation != _generation:
+            return None
+        return self._codes, self._codes_t, self._scale
+
+    def set_ternary_codes(self, codes, codes_t, scale) -> None:
+        """Keep (codes, codes^T, scale) of the current values until the next generation."""
+        self._codes, self._codes_t, self._scale = codes, codes_t, scale
+        self._codes_generation = _generation
+
     def __tensor_flatten__(self):
-        return ["_data"], (self._int8_backward,)
+        # torch.compile sees fresh codes as inputs (and guards on this metadata: a weight
+        # with stale or no codes runs a graph that quantizes it in the forward).
+        if self.ternary_codes() is not None:
+            return ["_data", "_codes", "_codes_t", "_scale"], (self._int8_backward, True)
+        return ["_data"], (self._int8_backward, False)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return BitNetTrainingWeight(inner["_data"], *meta)
+        int8_backward, has_codes = meta
+        w = BitNetTrainingWeight(inner["_data"], int8_backward)
+        if has_codes:
+            w.set_ternary_codes(inner["_codes"], inner["_codes_t"], inner["_scale"])
+        return w
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         int8_backward = next(a._int8_backward for a in tree_flatten((args, kwargs))[0]
                              if isinstance(a, BitNetTrainingWeight))
+        if func._schema.is_mutable:
+            _new_generation()  # the weight's values may change: its ternary codes are stale
         out = func(*tree_map_only(BitNetTrainingWeight, lambda t: t._data, args),
                    **tree_map_only(BitNetTrainingWeight, lambda t: t._data, kwargs))
         if func in _KEEP_TRAINING_SUBCLASS:
@@ -320,6 +381,9 @@ def plain_weight_state_dict_hook(module, state_dict, prefix, local_metadata) -> 
     and one trained with BitNet loads into a model with or without the converter. The
     plain tensor aliases the latent weight, so DCP's in-place load writes straight into it.
     """
+    # The plain tensor aliases the latent weight, so DCP's in-place load writes straight
+    # into it, past __torch_dispatch__: the kept ternary codes become stale.
+    _new_generation()
     key = prefix + "weight"
     t = state_dict.get(key)
     if isinstance(t, DTensor) and isinstance(t._local_tensor, BitNetTrainingWeight):
@@ -391,3 +455,73 @@ def precompute_scales(params: Iterable[torch.Tensor]) -> int:
                 for shard in shards:
                     shard.repack()
     return issued
+
+
+class KeptCodes:
+    """An unsharded weight's ternary codes, codes^T and scale, rewritten in place by one
+    prepared launch per refresh (a few microseconds of host time; the launches are
+    issued after the optimizer step, queued behind its kernels, where a slower launch
+    path left the GPU waiting)."""
+
+    __slots__ = ("data", "abs_sum", "launch", "codes", "codes_t", "scale")
+
+    def __init__(self, data: torch.Tensor):
+        self.data = data
+        self.abs_sum = torch.zeros((), dtype=torch.float32, device=data.device)
+        self.launch, self.codes, self.codes_t, self.scale = ops.prepare_quantize_weight_from_sum(
+            data, self.abs_sum)
+
+    def __reduce__(self):
+        # A copy or pickle of the weight (copy.deepcopy, torch.save of a whole module)
+        # drops the prepared launch, which is bound to these buffers: it is rebuilt on
+        # the copy's first refresh.
+        return type(None), ()
+
+
+def refresh_ternary_codes(params: Iterable[torch.Tensor]) -> int:
+    """Compute the ternary codes, transposed codes and scale of every unsharded BitNet
+    weight among ``params`` whose kept codes are stale; returns how many were computed.
+
+    The weights change once per optimizer step, while a step may run their forward
+    several times (gradient accumulation, activation checkpointing's recomputation), and
+    under torch.compile each quantization in the forward was four kernel launches (sum
+    |W| in two, a buffer, ternarize) on the step's critical path. Here all sums are one
+    multi-tensor launch (and one copy into the prepared launches' inputs) and each weight
+    one prepared ternarize launch; the forward then reads the kept codes (1 + 1 bytes per
+    element between steps, where the forward's transposed codes were kept for the
+    backward anyway). The buffers are rewritten in place with their version counters
+    bumped, so a backward still holding the codes of the old values raises instead of
+    using the new ones. Sharded weights (DTensors: FSDP, TP) are skipped: their forward
+    gets codes from the all-gather or quantizes its shard.
+    """
+    stale = [p for p in params
+             if isinstance(p, BitNetTrainingWeight) and p._data.dim() == 2 and p._data.stride(1) == 1
+             and p.ternary_codes() is None]
+    if not stale:
+        return 0
+    _watch_optimizer_steps()
+    with torch.no_grad():
+        kept = []
+        for w in stale:
+            k = w._kept
+            if k is None or k.data is not w._data:
+                k = w._kept = KeptCodes(w._data)
+            kept.append(k)
+        sums = torch._foreach_norm([w._data for w in stale], 1, dtype=torch.float32)
+        torch._foreach_copy_([k.abs_sum for k in kept], sums)
+        for w, k in zip(stale, kept):
+            k.launch()
+            w.set_ternary_codes(k.codes, k.codes_t, k.scale)
+        torch.autograd.graph.increment_version(
+            [t for k in kept for t in (k.codes, k.codes_t, k.scale)])
+    return len(stale)
+
+
+@torch.compiler.disable
+def refresh_ternary_codes_hook(module: nn.Module, args) -> None:
+    """Forward pre-hook (``convert_to_bitnet``): the module's weights' codes, where stale.
+    Cheap when nothing changed: one generation compare. Never traced: it runs before a
+    compiled model's graph (which takes the codes as inputs), not inside it."""
+    if getattr(module, "_bitnet_codes_generation", None) != _generation:
+        refresh_ternary_codes(module.parameters())
+        module._bitnet_codes_generation = _generation
