@@ -223,13 +223,15 @@ class BitNetTrainingWeight(_RoutesLinear):
         """Ternarize this shard with the global scale and pack it four codes per byte, or
         hand over what precompute_scales packed after the optimizer step.
 
-        The packed shard is used while the latent weight's version counter is the one it
-        was packed at: an in-place write through torch (a checkpoint load, an optimizer
-        that steps with torch ops and no precompute after it) makes this pack anew. Our
-        fused optimizer writes through Triton without a version bump, and the
-        post-optimizer hook re-packs after every step."""
+        The packed shard is used while the weight is unchanged since it was packed: the
+        latent tensor's version counter (a write into it, e.g. DCP's in-place load) and
+        the weights' generation (an optimizer step, an in-place op on the parameter, a
+        state_dict taken; module comment on _generation) are those of the pack. Otherwise
+        (an optimizer step with no precompute after it, a load_state_dict) this packs
+        anew."""
         shard = self._packed_shard
-        if shard is not None and shard.data is self._data and shard.version == self._data._version:
+        if (shard is not None and shard.data is self._data and shard.version == self._data._version
+                and shard.generation == _generation):
             return (shard.packed,), (shard.scale, self._data.shape[1], True)
         if self._data.dim() != 2:
             raise ValueError(f"BitNet: FSDP2 gathers 2-D linear weights, got shape {tuple(outer_size)}")
@@ -300,23 +302,25 @@ class PackedShard:
 
     The buffers, the kernel's arguments and its compiled launch are prepared once, so a
     re-pack costs one launch of host time. ``abs_sum`` is the buffer the precomputed
-    (all-reduced) sum |W| is copied into; ``version`` is the latent weight's version
-    counter at the last pack (the all-gather hands the pack over only while they match).
+    (all-reduced) sum |W| is copied into; ``version`` and ``generation`` are the latent
+    weight's version counter and the weights' generation at the last pack (the
+    all-gather hands the pack over only while both match).
     The gathered weights read ``scale`` itself, so a re-pack updates them too.
     """
 
-    __slots__ = ("data", "numel", "abs_sum", "launch", "packed", "scale", "version")
+    __slots__ = ("data", "numel", "abs_sum", "launch", "packed", "scale", "version", "generation")
 
     def __init__(self, data: torch.Tensor, numel: int):
         self.data, self.numel = data, numel
         self.abs_sum = torch.zeros((), dtype=torch.float32, device=data.device)
         self.launch, self.packed, self.scale = ops.prepare_pack_ternary_from_sum(data, self.abs_sum, numel)
-        self.version = None
+        self.version = self.generation = None
+        _watch_optimizer_steps()
 
     def repack(self) -> None:
         """Pack the latent weight's current values with the sum in ``abs_sum``."""
         self.launch()
-        self.version = self.data._version
+        self.version, self.generation = self.data._version, _generation
 
 
 class BitNetTernaryWeight(_RoutesLinear):
