@@ -28,11 +28,12 @@ With precomputed sums, the packing itself also moves out of the all-gathers: the
 re-packs every gathered shard into buffers kept between steps (``PackedShard``), and both
 all-gathers of the next step hand them over.
 
-Unsharded weights (one device, no FSDP or TP) keep their ternary codes between weight
-updates instead of quantizing in every forward: ``refresh_ternary_codes`` (a forward
-pre-hook the converter puts on the model) computes codes, transposed codes and scale of
-every stale weight at once, and a weight reports them only while its values are those
-they were computed from (``_generation``, below).
+With ``[lowbit] bitnet_keep_codes``, unsharded weights (one device, no FSDP or TP) keep
+their ternary codes between weight updates instead of quantizing in every forward:
+``refresh_ternary_codes`` (called by the converter's post-optimizer hook, and by a forward
+pre-hook on the model for the first step or any other change) computes codes, transposed
+codes and scale of every stale weight at once, and a weight reports them only while its
+values are those they were computed from (``_generation``, below).
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ _TERNARY_VIEWS = {aten.detach.default, aten.alias.default, aten.view.default, at
 # which also covers optimizers that write the latent weight from their own kernels) and
 # every in-place op on a BitNetTrainingWeight (a checkpoint load, a manual edit) starts a
 # new one. Ternary codes kept by a weight are valid only in the generation they were
-# computed in. (Tensor version counters cannot tell: torch's foreach and fused optimizers
-# do not bump them on a wrapper subclass or its inner tensor.)
+# computed in, and so are FSDP2's packed shards. One counter for all weights: a change to
+# one makes every weight's codes stale (they all change at every step anyway). (Tensor
+# version counters cannot tell: torch's foreach and fused optimizers do not bump them on
+# a wrapper subclass or its inner tensor.)
 _generation = 0
 _step_hook = None
 
@@ -385,8 +388,8 @@ def plain_weight_state_dict_hook(module, state_dict, prefix, local_metadata) -> 
     and one trained with BitNet loads into a model with or without the converter. The
     plain tensor aliases the latent weight, so DCP's in-place load writes straight into it.
     """
-    # The plain tensor aliases the latent weight, so DCP's in-place load writes straight
-    # into it, past __torch_dispatch__: the kept ternary codes become stale.
+    # DCP's in-place load into that alias bypasses __torch_dispatch__: whoever takes a
+    # state dict may write the weights, so kept codes and packed shards become stale.
     _new_generation()
     key = prefix + "weight"
     t = state_dict.get(key)
