@@ -303,6 +303,18 @@ def pack_ternary_from_sum(w: torch.Tensor, abs_sum: torch.Tensor,
     return _ternarize_from_sum(w, abs_sum, numel, pack=True)
 
 
+def _prepared_references(compute):
+    """(launch, *buffers) for a prepared operation off CUDA: ``compute()``'s first result
+    is the buffers, and each ``launch()`` runs the references again and copies into them."""
+    buffers = compute()
+
+    def launch() -> None:
+        for buf, value in zip(buffers, compute()):
+            buf.copy_(value)
+
+    return (launch, *buffers)
+
+
 def prepare_pack_ternary_from_sum(w: torch.Tensor, abs_sum: torch.Tensor, numel: int):
     """``pack_ternary_from_sum`` prepared for repeated calls: (launch, packed, scale), where
     each ``launch()`` rewrites the ``packed`` and ``scale`` buffers from the current values
@@ -311,14 +323,7 @@ def prepare_pack_ternary_from_sum(w: torch.Tensor, abs_sum: torch.Tensor, numel:
     run and their result is copied into the buffers."""
     if _on_gpu(w):
         return _q.prepare_ternarize_from_sum(w, abs_sum, numel, pack=True)
-    packed, scale = _ternarize_from_sum(w, abs_sum, numel, pack=True)  # the buffers
-
-    def launch() -> None:
-        p, g = _ternarize_from_sum(w, abs_sum, numel, pack=True)
-        packed.copy_(p)
-        scale.copy_(g)
-
-    return launch, packed, scale
+    return _prepared_references(lambda: _ternarize_from_sum(w, abs_sum, numel, pack=True))
 
 
 def prepare_quantize_weight_from_sum(w: torch.Tensor, abs_sum: torch.Tensor):
@@ -328,13 +333,7 @@ def prepare_quantize_weight_from_sum(w: torch.Tensor, abs_sum: torch.Tensor):
     the references copied into the buffers elsewhere."""
     if _on_gpu(w):
         return _q.prepare_ternarize_from_sum_transposed(w, abs_sum, w.numel())
-    codes, codes_t, scale = quantize_weight_from_sum(w, abs_sum)  # the buffers
-
-    def launch() -> None:
-        for buf, value in zip((codes, codes_t, scale), quantize_weight_from_sum(w, abs_sum)):
-            buf.copy_(value)
-
-    return launch, codes, codes_t, scale
+    return _prepared_references(lambda: quantize_weight_from_sum(w, abs_sum))
 
 
 def unpack_ternary(packed: torch.Tensor, cols: int, out: torch.Tensor | None = None) -> torch.Tensor:
