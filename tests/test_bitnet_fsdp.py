@@ -140,6 +140,43 @@ def _scenarios(rank):
         packs.reset()
         param_write_err = (sharded(xs[0]).detach() - ref(xs[0]).detach()).abs().max().item()
         param_write_packs = packs.calls
+        # Precomputed sums |W| after writes that change them (a doubling doubles every
+        # scale; a stale sum would halve each layer's output): every rank all-reduces each
+        # layer's sum again inside its all-gather. A state dict taken alone (which one rank
+        # may do) changes no sum and must not add an all-reduce.
+        sum_checks = {}
+
+        def forward_after(write):
+            conv.post_optimizer_hook([sharded])
+            write()
+            all_reduce.reset()
+            out, out_ref = sharded(xs[0]).detach(), ref(xs[0]).detach()
+            return all_reduce.calls, (out - out_ref).abs().max().item() / out_ref.abs().max().item()
+
+        def double_params():
+            with torch.no_grad():
+                for ps, pr in zip(sharded.parameters(), ref.parameters()):
+                    ps.mul_(2)
+                    pr.mul_(2)
+
+        def double_through_state_dict():  # as DCP's in-place load writes
+            sd = sharded.state_dict()
+            with torch.no_grad():
+                for t, pr in zip(sd.values(), ref.parameters()):
+                    t.to_local().mul_(2)
+                    pr.mul_(2)
+
+        def step_without_hook():
+            for model in (sharded, ref):
+                step(model, None, xs[1])
+            opt_s.step(), opt_r.step()
+            opt_s.zero_grad(), opt_r.zero_grad()
+            # (the hook ran before this write: forward_after calls it first)
+
+        sum_checks["state_dict"] = forward_after(lambda: sharded.state_dict())
+        sum_checks["param"] = forward_after(double_params)
+        sum_checks["alias"] = forward_after(double_through_state_dict)
+        sum_checks["step"] = forward_after(step_without_hook)
         res[tag] = dict(counts=counts, losses=losses, grad_err=grads_ok, scale_err=scales,
                         local_types={type(p._local_tensor).__name__ for p in sharded.parameters()},
                         fwd_bwd_packs=fwd_bwd_packs, hook_packs=hook_packs,
@@ -147,7 +184,8 @@ def _scenarios(rank):
                         flipped_equal=torch.equal(flipped, fresh), flipped_packs=flipped_packs,
                         flipped_err=(flipped - flipped_ref).abs().max().item(),
                         flipped_scale=flipped_ref.abs().max().item(),
-                        param_write_err=param_write_err, param_write_packs=param_write_packs)
+                        param_write_err=param_write_err, param_write_packs=param_write_packs,
+                        sum_checks=sum_checks)
 
 
     # Rows not divisible by the shard count: a clear error on every rank, no hang.
@@ -242,6 +280,21 @@ def test_weights_written_after_the_hook_are_packed_anew(results):
         assert r["flipped_err"] <= 2e-3 * r["flipped_scale"]
         assert r["param_write_packs"] == len(LAYERS)
         assert r["param_write_err"] <= 2e-3 * r["flipped_scale"]
+
+
+def test_precomputed_sums_of_written_weights_are_all_reduced_again(results):
+    pre, nopre = results["pre"]["sum_checks"], results["nopre"]["sum_checks"]
+    # A state dict taken writes nothing: the precomputed sums stay in use.
+    assert pre["state_dict"][0] == 0
+    # A write through the parameters (load_state_dict), into the latent tensor through a
+    # state-dict alias (DCP's load), or an optimizer step with no hook after it: each
+    # forward all-gather all-reduces its layer's sum, as without precompute.
+    for kind in ("param", "alias", "step"):
+        assert pre[kind][0] == len(LAYERS) == nopre[kind][0], kind
+    for kind in ("state_dict", "param", "alias", "step"):
+        # Against the unsharded model written the same way (relative to the output; the
+        # runs differ in the last ulps, see above). A stale sum misses by a factor.
+        assert pre[kind][1] < 2e-3 and nopre[kind][1] < 2e-3, kind
 
 
 def test_uneven_rows_raise_a_clear_error(results):

@@ -74,11 +74,28 @@ _TERNARY_VIEWS = {aten.detach.default, aten.alias.default, aten.view.default, at
 # one makes every weight's codes stale (they all change at every step anyway). (Tensor
 # version counters cannot tell: torch's foreach and fused optimizers do not bump them on
 # a wrapper subclass or its inner tensor.)
+#
+# A second counter, _write_generation, counts only the writes that every rank makes
+# together (optimizer steps and in-place ops on the parameter, which is what
+# load_state_dict does), not the state_dict() taken: precomputed sums |W| are valid only
+# in the write generation they were computed in, with the latent tensor's version counter
+# (DCP's in-place load into a state-dict alias bumps it) unchanged. A stale sum falls back
+# to the per-layer all-reduce, a collective, so it must not depend on a state_dict() that
+# one rank alone may take.
 _generation = 0
+_write_generation = 0
 _step_hook = None
 
 
 def _new_generation(*_args, **_kwargs) -> None:
+    """A write to the weights (an optimizer step, an in-place op on a weight)."""
+    global _generation, _write_generation
+    _generation += 1
+    _write_generation += 1
+
+
+def _new_alias_generation() -> None:
+    """A state dict taken: its aliases of the latent weights may be written in place."""
     global _generation
     _generation += 1
 
@@ -143,7 +160,10 @@ class BitNetTrainingWeight(_RoutesLinear):
     _int8_backward: bool
     # sum |W| over the whole weight (all its shards), set after each optimizer step by
     # precompute_scales; the scale g = max(sum / numel, EPS) is derived in the kernels.
+    # Valid while (_write_generation, _data._version) equal _abs_sum_stamp
+    # (precomputed_abs_sum()).
     _precomputed_abs_sum: torch.Tensor | None
+    _abs_sum_stamp: tuple[int, int] | None
     # This shard's FSDP2 all-gather input, packed by precompute_scales after the optimizer
     # step for both all-gathers of the next step (forward and backward).
     _packed_shard: PackedShard | None
@@ -171,6 +191,7 @@ class BitNetTrainingWeight(_RoutesLinear):
         self._data = data
         self._int8_backward = int8_backward
         self._precomputed_abs_sum = None
+        self._abs_sum_stamp = None
         self._packed_shard = None
         self._fsdp_gathered = False
         self._codes = self._codes_t = self._scale = None
@@ -179,6 +200,21 @@ class BitNetTrainingWeight(_RoutesLinear):
 
     def __repr__(self) -> str:
         return f"BitNetTrainingWeight({self._data!r}, int8_backward={self._int8_backward})"
+
+    def precomputed_abs_sum(self) -> torch.Tensor | None:
+        """The whole weight's sum |W| from the last precompute_scales, or None where there
+        was none or the weight has been written since (an optimizer step without the
+        post-optimizer hook after it, a load_state_dict, an in-place op on the parameter or
+        on its latent tensor): the caller then all-reduces this layer's sum itself. Every
+        rank sees those writes, so every rank takes the same path."""
+        if self._abs_sum_stamp != (_write_generation, self._data._version):
+            return None
+        return self._precomputed_abs_sum
+
+    def set_precomputed_abs_sum(self, abs_sum: torch.Tensor) -> None:
+        """Record the whole weight's sum |W| of the current values (precompute_scales)."""
+        self._precomputed_abs_sum = abs_sum
+        self._abs_sum_stamp = (_write_generation, self._data._version)
 
     def ternary_codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(codes, codes^T, scale) of the weight's current values, or None where they were
@@ -249,7 +285,7 @@ class BitNetTrainingWeight(_RoutesLinear):
         # The whole weight's size: under tensor parallelism outer_size is the TP shard's.
         numel = module.in_features * module.out_features if isinstance(module, nn.Linear) \
             else outer_size.numel()
-        abs_sum = self._precomputed_abs_sum
+        abs_sum = self.precomputed_abs_sum()
         if abs_sum is None:
             abs_sum = weight_abs_sum(self._data)
             if world > 1:
@@ -390,7 +426,9 @@ def plain_weight_state_dict_hook(module, state_dict, prefix, local_metadata) -> 
     """
     # DCP's in-place load into that alias bypasses __torch_dispatch__: whoever takes a
     # state dict may write the weights, so kept codes and packed shards become stale.
-    _new_generation()
+    # (Precomputed sums stay: such a load bumps the latent tensor's version counter,
+    # which they check, and one rank alone may take a state dict; see _generation.)
+    _new_alias_generation()
     key = prefix + "weight"
     t = state_dict.get(key)
     if isinstance(t, DTensor) and isinstance(t._local_tensor, BitNetTrainingWeight):
@@ -432,6 +470,8 @@ def precompute_scales(params: Iterable[torch.Tensor]) -> int:
             # Keyed by name: get_group returns a new Python handle on every call.
             key = tuple(g.group_name for g in groups)
             by_groups.setdefault(key, (groups, []))[1].append((local, p.numel()))
+    if by_groups:
+        _watch_optimizer_steps()  # an optimizer step makes the sums set here stale
     issued = 0
     for groups, weights in by_groups.values():
         with torch.no_grad():
@@ -442,7 +482,7 @@ def precompute_scales(params: Iterable[torch.Tensor]) -> int:
                 issued += 1
             shards, shard_sums = [], []
             for (w, numel), s in zip(weights, sums.unbind(0)):
-                w._precomputed_abs_sum = s
+                w.set_precomputed_abs_sum(s)
                 # (A shard with strided rows, which FSDP2 does not make, keeps packing
                 # inside its all-gathers: a prepared launch cannot copy it to contiguous.)
                 if w._fsdp_gathered and w._data.stride(1) == 1:
