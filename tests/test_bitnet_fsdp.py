@@ -159,12 +159,10 @@ def _scenarios(rank):
                     ps.mul_(2)
                     pr.mul_(2)
 
-        def double_through_state_dict():  # as DCP's in-place load writes
-            sd = sharded.state_dict()
+        def load_doubled_state_dict():  # a checkpoint load (torchtitan's runs load_state_dict)
             with torch.no_grad():
-                for t, pr in zip(sd.values(), ref.parameters()):
-                    t.to_local().mul_(2)
-                    pr.mul_(2)
+                sharded.load_state_dict({k: v * 2 for k, v in sharded.state_dict().items()})
+                ref.load_state_dict({k: v * 2 for k, v in ref.state_dict().items()})
 
         def step_without_hook():
             for model in (sharded, ref):
@@ -175,7 +173,7 @@ def _scenarios(rank):
 
         sum_checks["state_dict"] = forward_after(lambda: sharded.state_dict())
         sum_checks["param"] = forward_after(double_params)
-        sum_checks["alias"] = forward_after(double_through_state_dict)
+        sum_checks["load"] = forward_after(load_doubled_state_dict)
         sum_checks["step"] = forward_after(step_without_hook)
         res[tag] = dict(counts=counts, losses=losses, grad_err=grads_ok, scale_err=scales,
                         local_types={type(p._local_tensor).__name__ for p in sharded.parameters()},
@@ -286,12 +284,12 @@ def test_precomputed_sums_of_written_weights_are_all_reduced_again(results):
     pre, nopre = results["pre"]["sum_checks"], results["nopre"]["sum_checks"]
     # A state dict taken writes nothing: the precomputed sums stay in use.
     assert pre["state_dict"][0] == 0
-    # A write through the parameters (load_state_dict), into the latent tensor through a
-    # state-dict alias (DCP's load), or an optimizer step with no hook after it: each
-    # forward all-gather all-reduces its layer's sum, as without precompute.
-    for kind in ("param", "alias", "step"):
+    # An in-place write through the parameters, a load_state_dict, or an optimizer step
+    # with no hook after it: each forward all-gather all-reduces its layer's sum, as
+    # without precompute.
+    for kind in ("param", "load", "step"):
         assert pre[kind][0] == len(LAYERS) == nopre[kind][0], kind
-    for kind in ("state_dict", "param", "alias", "step"):
+    for kind in ("state_dict", "param", "load", "step"):
         # Against the unsharded model written the same way (relative to the output; the
         # runs differ in the last ulps, see above). A stale sum misses by a factor.
         assert pre[kind][1] < 2e-3 and nopre[kind][1] < 2e-3, kind

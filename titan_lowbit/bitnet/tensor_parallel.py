@@ -95,7 +95,8 @@ def _weight_codes(module: nn.Module, weight: DTensor, group,
             )
         return local._codes, local._scale, local._int8_backward
     if isinstance(local, BitNetTrainingWeight):  # TP only: the latent shard is here
-        abs_sum = local.precomputed_abs_sum()
+        # dropped by an optimizer step or an in-place op on the weight (weight.py, _generation)
+        abs_sum = local._precomputed_abs_sum
         if abs_sum is None:
             abs_sum = weight_abs_sum(local._data)
             if sharded:

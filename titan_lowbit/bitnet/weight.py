@@ -39,6 +39,7 @@ values are those they were computed from (``_generation``, below).
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Iterable
 
 import torch
@@ -75,35 +76,40 @@ _TERNARY_VIEWS = {aten.detach.default, aten.alias.default, aten.view.default, at
 # version counters cannot tell: torch's foreach and fused optimizers do not bump them on
 # a wrapper subclass or its inner tensor.)
 #
-# A second counter, _write_generation, counts only the writes that every rank makes
-# together (optimizer steps and in-place ops on the parameter, which is what
-# load_state_dict does), not the state_dict() taken: precomputed sums |W| are valid only
-# in the write generation they were computed in, with the latent tensor's version counter
-# (DCP's in-place load into a state-dict alias bumps it) unchanged. A stale sum falls back
-# to the per-layer all-reduce, a collective, so it must not depend on a state_dict() that
-# one rank alone may take.
+# Precomputed sums |W| are dropped instead (the attribute set to None) by the writes that
+# every rank makes together: an optimizer step (the same hook) and an in-place op on the
+# weight, which is what load_state_dict does (torchtitan's checkpoint load runs it after
+# DCP's in-place load). Not by a state_dict() taken: a dropped sum falls back to the
+# per-layer all-reduce, a collective, which must not depend on what one rank alone may
+# do; so a write into a state-dict alias with no load_state_dict after it keeps the old
+# sums. (An attribute, not a generation compared in the forward: the tensor-parallel
+# forward reads it inside torch.compile, where comparing a counter would recompile at
+# every step.)
 _generation = 0
-_write_generation = 0
 _step_hook = None
+# weights holding a precomputed sum, by id (dropped at the next optimizer step; not a
+# WeakSet, which compares its members with ==)
+_weights_with_sums: "weakref.WeakValueDictionary[int, BitNetTrainingWeight]" = weakref.WeakValueDictionary()
 
 
 def _new_generation(*_args, **_kwargs) -> None:
-    """A write to the weights (an optimizer step, an in-place op on a weight)."""
-    global _generation, _write_generation
-    _generation += 1
-    _write_generation += 1
-
-
-def _new_alias_generation() -> None:
-    """A state dict taken: its aliases of the latent weights may be written in place."""
     global _generation
     _generation += 1
+
+
+def _on_optimizer_step(*_args, **_kwargs) -> None:
+    """Every optimizer step: a new generation, and every precomputed sum dropped (the
+    post-optimizer hook sets them again)."""
+    _new_generation()
+    for w in list(_weights_with_sums.values()):
+        w._precomputed_abs_sum = None
+    _weights_with_sums.clear()
 
 
 def _watch_optimizer_steps() -> None:
     global _step_hook
     if _step_hook is None:
-        _step_hook = register_optimizer_step_pre_hook(_new_generation)
+        _step_hook = register_optimizer_step_pre_hook(_on_optimizer_step)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -160,10 +166,9 @@ class BitNetTrainingWeight(_RoutesLinear):
     _int8_backward: bool
     # sum |W| over the whole weight (all its shards), set after each optimizer step by
     # precompute_scales; the scale g = max(sum / numel, EPS) is derived in the kernels.
-    # Valid while (_write_generation, _data._version) equal _abs_sum_stamp
-    # (precomputed_abs_sum()).
+    # Dropped (None) by an in-place op on the weight or an optimizer step (module comment
+    # on _generation).
     _precomputed_abs_sum: torch.Tensor | None
-    _abs_sum_stamp: tuple[int, int] | None
     # This shard's FSDP2 all-gather input, packed by precompute_scales after the optimizer
     # step for both all-gathers of the next step (forward and backward).
     _packed_shard: PackedShard | None
@@ -191,7 +196,6 @@ class BitNetTrainingWeight(_RoutesLinear):
         self._data = data
         self._int8_backward = int8_backward
         self._precomputed_abs_sum = None
-        self._abs_sum_stamp = None
         self._packed_shard = None
         self._fsdp_gathered = False
         self._codes = self._codes_t = self._scale = None
@@ -201,20 +205,12 @@ class BitNetTrainingWeight(_RoutesLinear):
     def __repr__(self) -> str:
         return f"BitNetTrainingWeight({self._data!r}, int8_backward={self._int8_backward})"
 
-    def precomputed_abs_sum(self) -> torch.Tensor | None:
-        """The whole weight's sum |W| from the last precompute_scales, or None where there
-        was none or the weight has been written since (an optimizer step without the
-        post-optimizer hook after it, a load_state_dict, an in-place op on the parameter or
-        on its latent tensor): the caller then all-reduces this layer's sum itself. Every
-        rank sees those writes, so every rank takes the same path."""
-        if self._abs_sum_stamp != (_write_generation, self._data._version):
-            return None
-        return self._precomputed_abs_sum
-
     def set_precomputed_abs_sum(self, abs_sum: torch.Tensor) -> None:
-        """Record the whole weight's sum |W| of the current values (precompute_scales)."""
+        """Keep the whole weight's sum |W| of the current values (precompute_scales) until
+        the next optimizer step or in-place op on the weight; the all-gather (FSDP) or
+        forward (TP) without one all-reduces this layer's sum itself."""
         self._precomputed_abs_sum = abs_sum
-        self._abs_sum_stamp = (_write_generation, self._data._version)
+        _weights_with_sums[id(self)] = self
 
     def ternary_codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(codes, codes^T, scale) of the weight's current values, or None where they were
@@ -249,7 +245,11 @@ class BitNetTrainingWeight(_RoutesLinear):
         int8_backward = next(a._int8_backward for a in tree_flatten((args, kwargs))[0]
                              if isinstance(a, BitNetTrainingWeight))
         if func._schema.is_mutable:
-            _new_generation()  # the weight's values may change: its ternary codes are stale
+            # the weight's values may change: its ternary codes and precomputed sum are stale
+            _new_generation()
+            for a in tree_flatten((args, kwargs))[0]:
+                if isinstance(a, BitNetTrainingWeight):
+                    a._precomputed_abs_sum = None
         out = func(*tree_map_only(BitNetTrainingWeight, lambda t: t._data, args),
                    **tree_map_only(BitNetTrainingWeight, lambda t: t._data, kwargs))
         if func in _KEEP_TRAINING_SUBCLASS:
@@ -285,7 +285,7 @@ class BitNetTrainingWeight(_RoutesLinear):
         # The whole weight's size: under tensor parallelism outer_size is the TP shard's.
         numel = module.in_features * module.out_features if isinstance(module, nn.Linear) \
             else outer_size.numel()
-        abs_sum = self.precomputed_abs_sum()
+        abs_sum = self._precomputed_abs_sum
         if abs_sum is None:
             abs_sum = weight_abs_sum(self._data)
             if world > 1:
@@ -426,9 +426,8 @@ def plain_weight_state_dict_hook(module, state_dict, prefix, local_metadata) -> 
     """
     # DCP's in-place load into that alias bypasses __torch_dispatch__: whoever takes a
     # state dict may write the weights, so kept codes and packed shards become stale.
-    # (Precomputed sums stay: such a load bumps the latent tensor's version counter,
-    # which they check, and one rank alone may take a state dict; see _generation.)
-    _new_alias_generation()
+    # (Precomputed sums stay, see _generation: one rank alone may take a state dict.)
+    _new_generation()
     key = prefix + "weight"
     t = state_dict.get(key)
     if isinstance(t, DTensor) and isinstance(t._local_tensor, BitNetTrainingWeight):
