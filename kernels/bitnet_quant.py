@@ -102,6 +102,14 @@ def _check_row_amax(amax: torch.Tensor | None, x: torch.Tensor) -> None:
 
 
 @triton.jit
+def _max_nan(a, b):
+    """max(a, b) that propagates NaN, as torch's amax and clamp do: Triton's max and
+    maximum return the other operand, which would turn a NaN activation or weight into
+    finite codes with a finite scale (a diverging run would show no NaN loss)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr, q_ptr, scale_ptr, amax_ptr, M, K, stride_xm, stride_qm,
     EPS_C: tl.constexpr, QMAX_C: tl.constexpr,
@@ -121,8 +129,8 @@ def _quantize_rows_kernel(
         if AMAX_GIVEN:
             amax = tl.load(amax_ptr + rows, mask=row_ok, other=0.0)
         else:
-            amax = tl.max(tl.abs(x), axis=1)
-        scale = tl.math.div_rn(tl.maximum(amax, EPS_C), tl.full(amax.shape, QMAX_C, tl.float32))
+            amax = tl.reduce(tl.abs(x), 1, _max_nan)
+        scale = tl.math.div_rn(_max_nan(amax, EPS_C), tl.full(amax.shape, QMAX_C, tl.float32))
         recip = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
         q = tl.minimum(tl.maximum(tl.floor(x * recip[:, None] + 0.5), -QMAX_C), QMAX_C)
         tl.store(q_row + cols[None, :], q.to(tl.int8), mask=mask)
@@ -134,8 +142,8 @@ def _quantize_rows_kernel(
             for k0 in range(0, K, BLOCK_K):
                 mask = row_ok[:, None] & ((k0 + cols)[None, :] < K)
                 x = tl.load(x_row + (k0 + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-        scale = tl.math.div_rn(tl.maximum(amax, EPS_C), tl.full(amax.shape, QMAX_C, tl.float32))
+                amax = _max_nan(amax, tl.reduce(tl.abs(x), 1, _max_nan))
+        scale = tl.math.div_rn(_max_nan(amax, EPS_C), tl.full(amax.shape, QMAX_C, tl.float32))
         recip = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
         for k0 in range(0, K, BLOCK_K):
             mask = row_ok[:, None] & ((k0 + cols)[None, :] < K)
@@ -282,7 +290,7 @@ def _ternarize_kernel(
     r64 = rows.to(tl.int64)[:, None]
     if FROM_SUM:
         # numel: a Python float (fp32(numel), however the launcher passes it).
-        g = tl.maximum(tl.math.div_rn(tl.load(scale_ptr), tl.cast(numel, tl.float32)), EPS_C)
+        g = _max_nan(tl.math.div_rn(tl.load(scale_ptr), tl.cast(numel, tl.float32)), EPS_C)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             tl.store(scale_out_ptr, g)
     else:

@@ -102,6 +102,26 @@ def test_quantize_rows_with_given_row_absmax(shape, dtype, two_pass):
         bq.quantize_rows(shard, amax=amax[:-1] if m > 1 else amax.double())
 
 
+@pytest.mark.parametrize("two_pass", [False, True])
+def test_non_finite_values_give_non_finite_scales(two_pass):
+    """A NaN or inf in an activation row or a weight reaches the scale, as in the
+    reference (torch's amax and clamp propagate NaN): the layer's output is then NaN or
+    inf, never finite numbers made from the other values."""
+    x = _rand_rows(5, 301, torch.float32)
+    x[0, 7], x[2, 300], x[3, 0] = float("nan"), float("inf"), float("-inf")
+    _, s = _twice(bq.quantize_rows, x, block_k=64 if two_pass else None)
+    _, s_ref = bq.quantize_rows_reference(x)
+    assert s_ref[0].isnan() and s_ref[2:4].isinf().all()
+    torch.testing.assert_close(s, s_ref, rtol=0, atol=0, equal_nan=True)
+    w = torch.randn(33, 130, device=DEVICE) * 0.02
+    w[5, 9] = float("nan")
+    for pack in (False, True):
+        _, g = _twice(bq.ternarize_from_sum, w, bq.weight_abs_sum(w), w.numel(), pack=pack)
+        assert g.isnan() and bq.absmean_scale_reference(w).isnan()
+    _, _, g = bq.ternarize_from_sum_transposed(w, bq.weight_abs_sum(w), w.numel())
+    assert g.isnan()
+
+
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_dequantize_rows_matches_reference(dtype):
     m, k = (29, 83) if DEVICE == "cpu" else (3000, 5000)

@@ -155,6 +155,48 @@ def test_converter_errors_are_clear():
         lin(torch.randn(2, 32, dtype=torch.float64))
 
 
+def test_converter_refuses_what_it_would_get_wrong():
+    # Tied weights: converting one user would untie them (two parameters over one storage,
+    # each updated by the optimizer).
+    class _Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(40, 32), nn.Linear(32, 40, bias=False)
+            self.head.weight = self.emb.weight
+
+    with pytest.raises(ValueError, match=r"'head' is shared with \['emb.weight'\].*bitnet_filter"):
+        convert_to_bitnet(_Tied(), [])
+    # nn.MultiheadAttention reads out_proj.weight itself: it would stay a plain linear.
+    mha = nn.Sequential(nn.MultiheadAttention(32, 4, batch_first=True))
+    with pytest.raises(ValueError, match="'0.out_proj' belongs to an nn.MultiheadAttention"):
+        convert_to_bitnet(mha, [])
+    # A string filter is one fragment, not its characters ("w", "q").
+    model = nn.ModuleDict({"wq": nn.Linear(32, 32), "w1": nn.Linear(32, 32)})
+    assert convert_to_bitnet(model, "wq") == ["w1"]
+    # Converting again changes nothing and says so (not "all excluded by the filter"),
+    # unless asked for another backward.
+    assert convert_to_bitnet(model, "wq") == ["w1"]
+    with pytest.raises(ValueError, match="int8_backward=True; converting it again"):
+        convert_to_bitnet(model, "wq", int8_backward=False)
+
+
+def test_a_replaced_weight_is_refused_not_trained_as_a_plain_linear():
+    lin = nn.Linear(32, 32)
+    convert_to_bitnet(nn.Sequential(lin), [])
+    x = torch.randn(3, 32)
+    # F.linear's own argument names reach the BitNet linear.
+    w = lin.weight
+    assert torch.equal(torch.nn.functional.linear(input=x, weight=w, bias=lin.bias), lin(x))
+    plain = {k: v.detach().clone() for k, v in lin.state_dict().items()}
+    lin.load_state_dict(plain)  # copies into the BitNet weight
+    assert isinstance(lin.weight, BitNetTrainingWeight)
+    lin.load_state_dict(plain, assign=True)  # replaces it with a plain tensor
+    with pytest.raises(TypeError, match="plain Parameter.*assign=False"):
+        lin(x)
+    with pytest.raises(TypeError, match="replaced after conversion"):
+        torch.func.functional_call(lin, {"weight": torch.randn(32, 32), "bias": lin.bias}, (x,))
+
+
 def _llama(n_layers=2, seed=0):
     from torchtitan.models.llama3.model.model import Transformer, TransformerModelArgs
 

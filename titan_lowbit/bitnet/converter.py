@@ -69,8 +69,17 @@ def convert_to_bitnet(model: nn.Module, filter_fqns=DEFAULT_FILTER,
     (``refresh_ternary_codes``) instead of quantizing their weights in every forward.
     Returns the converted FQNs.
     """
-    filter_fqns = list(filter_fqns)
+    # one fragment, not its characters
+    filter_fqns = [filter_fqns] if isinstance(filter_fqns, str) else list(filter_fqns)
     _check_filter(model, filter_fqns)
+    # Every name of every parameter: a weight shared by two modules (tied) cannot be
+    # swapped in one of them without untying it.
+    names_of: dict[int, list[str]] = {}
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(pname)
+    # Linears whose weight their parent reads itself, not through F.linear.
+    direct = {f"{n}.{c}" if n else c for n, m in model.named_modules()
+              if isinstance(m, nn.MultiheadAttention) for c, _ in m.named_children()}
     converted, linears = [], 0
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.Linear):
@@ -80,7 +89,30 @@ def convert_to_bitnet(model: nn.Module, filter_fqns=DEFAULT_FILTER,
             continue
         w = mod.weight
         if isinstance(w, BitNetTrainingWeight):
-            continue  # already converted: converting twice would change nothing
+            # already converted (a second conversion): the same layer, unless asked for
+            # another backward
+            if w._int8_backward != int8_backward:
+                raise ValueError(
+                    f"BitNet: linear {name!r} was converted with int8_backward="
+                    f"{w._int8_backward}; converting it again with int8_backward="
+                    f"{int8_backward} would not change it. Convert once, with the setting wanted."
+                )
+            converted.append(name)
+            continue
+        if name in direct:
+            raise ValueError(
+                f"BitNet: linear {name!r} belongs to an nn.MultiheadAttention, which reads its "
+                "weight itself (F.multi_head_attention_forward), not through F.linear: it would "
+                f"stay a plain linear. Add {name!r} to [lowbit] bitnet_filter."
+            )
+        own = f"{name}.weight" if name else "weight"
+        tied = [n for n in names_of.get(id(w), []) if n != own]
+        if tied:
+            raise ValueError(
+                f"BitNet: the weight of linear {name!r} is shared with {tied} (tied weights); "
+                "converting it would untie them, and the optimizer would update the shared "
+                f"values twice. Add {name!r} to [lowbit] bitnet_filter, or untie the weights."
+            )
         if min(mod.in_features, mod.out_features) < MIN_FEATURES:
             raise ValueError(
                 f"BitNet: linear {name!r} is {mod.in_features}->{mod.out_features}; BitNet "

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from titan_lowbit.bitnet.tensor_parallel import tensor_parallel_linear
+from titan_lowbit.bitnet.weight import BitNetTernaryWeight, BitNetTrainingWeight
 
 
 class BitNetLinear(nn.Linear):
@@ -25,6 +26,17 @@ class BitNetLinear(nn.Linear):
     bitnet_tp_group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.weight, DTensor):
+        weight = self.weight
+        local = weight._local_tensor if isinstance(weight, DTensor) else weight
+        if not isinstance(local, (BitNetTrainingWeight, BitNetTernaryWeight)):
+            # F.linear would silently train this layer as a plain linear.
+            raise TypeError(
+                f"BitNet: the weight of this converted linear ({self.in_features}->"
+                f"{self.out_features}) is a plain {type(local).__name__}: it was replaced after "
+                "conversion (load_state_dict(..., assign=True), module.weight = ..., "
+                "torch.func.functional_call). Load with assign=False (the default), or convert "
+                "the layer again with titan_lowbit.bitnet.convert_to_bitnet."
+            )
+        if isinstance(weight, DTensor):
             return tensor_parallel_linear(self, x)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, weight, self.bias)

@@ -112,14 +112,14 @@ def _watch_optimizer_steps() -> None:
         _step_hook = register_optimizer_step_pre_hook(_on_optimizer_step)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for a BitNet weight (either subclass).
+def _linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a BitNet weight (either subclass); F.linear's argument names.
 
     Under torch.autocast the activation is cast to the autocast dtype first, as autocast
     does for F.linear: torchtitan without FSDP trains fp32 weights under bf16 autocast,
     and the int8 kernels then write bf16 outputs and the weight gradient is a bf16 GEMM.
     """
-    x = autocast_input(x)
+    x = autocast_input(input)
     check_dtypes(x, weight)
     if isinstance(weight, BitNetTernaryWeight):
         # gathered codes: backward transposes them (keeping a transposed copy from the
