@@ -197,6 +197,23 @@ def test_a_replaced_weight_is_refused_not_trained_as_a_plain_linear():
         torch.func.functional_call(lin, {"weight": torch.randn(32, 32), "bias": lin.bias}, (x,))
 
 
+@pytest.mark.parametrize("keep_codes", [False, True])
+def test_assigning_weight_data_replaces_the_latent_weight(keep_codes):
+    model = nn.Sequential(nn.Linear(32, 32))
+    convert_to_bitnet(model, [], keep_codes=keep_codes)
+    lin, x = model[0], torch.randn(3, 32)
+    model(x)  # (kept codes: computed for the old values)
+    w = torch.randn(32, 32)
+    lin.weight.data = w  # torch's setter alone would leave the latent weight as it was
+    assert isinstance(lin.weight, BitNetTrainingWeight) and torch.equal(lin.weight._data, w)
+    torch.testing.assert_close(model(x), ops.bitnet_linear_reference(x, w, lin.bias))
+    lin.weight.data.mul_(2)  # .data still reads the latent weight (now w's storage)
+    torch.testing.assert_close(model(x), ops.bitnet_linear_reference(x, w, lin.bias))
+    assert torch.equal(lin.state_dict()["weight"], w)
+    with pytest.raises(ValueError, match=r"weight.data = Tensor of torch.Size\(\[16, 32\]\).*copy_"):
+        lin.weight.data = torch.randn(16, 32)
+
+
 def _llama(n_layers=2, seed=0):
     from torchtitan.models.llama3.model.model import Transformer, TransformerModelArgs
 
@@ -380,6 +397,20 @@ def test_kept_codes_go_stale_when_the_weight_changes(edit):
         fresh[0].weight._data.copy_(w._data)
     torch.testing.assert_close(kept(x), fresh(x), rtol=0, atol=0)
     assert w.ternary_codes() is not None
+
+
+def test_kept_codes_see_a_write_through_a_state_dict_taken_before_the_forward():
+    """The state_dict() starts a new generation, but the codes of that generation may be
+    computed before the write into its aliases: the model's pre-hook sees the write by the
+    latent tensor's version counter (the aliases are the latent tensors themselves)."""
+    kept, fresh = _twins()
+    x = torch.randn(3, 48)
+    sd = kept.state_dict()
+    kept(x)
+    with torch.no_grad():
+        sd["0.weight"].mul_(-1.0)
+        fresh[0].weight._data.copy_(kept[0].weight._data)
+    torch.testing.assert_close(kept(x), fresh(x), rtol=0, atol=0)
 
 
 def test_converter_option_turns_kept_codes_on():

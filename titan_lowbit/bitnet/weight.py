@@ -65,6 +65,8 @@ _KEEP_TRAINING_SUBCLASS = {
     aten.empty_like.default, aten.clone.default, aten._to_copy.default, aten.copy_.default,
     aten._pin_memory.default,
 }
+# Ops whose result is the same tensor (BitNetTrainingWeight.__torch_dispatch__).
+_SAME_LATENT = {aten.detach.default, aten.alias.default}
 _TERNARY_VIEWS = {aten.detach.default, aten.alias.default, aten.view.default, aten.as_strided.default}
 
 # Generation of the BitNet weights' values: every optimizer step (a global step pre-hook,
@@ -81,15 +83,18 @@ _TERNARY_VIEWS = {aten.detach.default, aten.alias.default, aten.view.default, at
 # weight, which is what load_state_dict does (torchtitan's checkpoint load runs it after
 # DCP's in-place load). Not by a state_dict() taken: a dropped sum falls back to the
 # per-layer all-reduce, a collective, which must not depend on what one rank alone may
-# do; so a write into a state-dict alias with no load_state_dict after it keeps the old
-# sums. (An attribute, not a generation compared in the forward: the tensor-parallel
-# forward reads it inside torch.compile, where comparing a counter would recompile at
-# every step.)
+# do. The FSDP2 all-gather also checks the latent tensor's version counter (a write into
+# a state-dict alias); the tensor-parallel forward cannot: torch.compile traces it, and
+# compares of counters there would recompile at every step, so it reads the attribute.
 _generation = 0
 _step_hook = None
 # weights holding a precomputed sum, by id (dropped at the next optimizer step; not a
 # WeakSet, which compares its members with ==)
 _weights_with_sums: "weakref.WeakValueDictionary[int, BitNetTrainingWeight]" = weakref.WeakValueDictionary()
+
+
+# torch.Tensor.data (the C descriptor), which BitNetTrainingWeight.data reads through.
+_TENSOR_DATA = torch.Tensor.data
 
 
 def _new_generation(*_args, **_kwargs) -> None:
@@ -167,8 +172,9 @@ class BitNetTrainingWeight(_RoutesLinear):
     # sum |W| over the whole weight (all its shards), set after each optimizer step by
     # precompute_scales; the scale g = max(sum / numel, EPS) is derived in the kernels.
     # Dropped (None) by an in-place op on the weight or an optimizer step (module comment
-    # on _generation).
+    # on _generation); _abs_sum_version: the latent tensor's version counter then.
     _precomputed_abs_sum: torch.Tensor | None
+    _abs_sum_version: int
     # This shard's FSDP2 all-gather input, packed by precompute_scales after the optimizer
     # step for both all-gathers of the next step (forward and backward).
     _packed_shard: PackedShard | None
@@ -196,6 +202,7 @@ class BitNetTrainingWeight(_RoutesLinear):
         self._data = data
         self._int8_backward = int8_backward
         self._precomputed_abs_sum = None
+        self._abs_sum_version = -1
         self._packed_shard = None
         self._fsdp_gathered = False
         self._codes = self._codes_t = self._scale = None
@@ -205,11 +212,35 @@ class BitNetTrainingWeight(_RoutesLinear):
     def __repr__(self) -> str:
         return f"BitNetTrainingWeight({self._data!r}, int8_backward={self._int8_backward})"
 
+    @property
+    def data(self) -> torch.Tensor:
+        return _TENSOR_DATA.__get__(self, type(self))
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """``weight.data = t`` makes t (its latent tensor, for a BitNet weight) the latent
+        weight, as for a plain parameter. torch's own setter would swap the wrapper's
+        storage, which holds nothing, and leave the latent weight as it was."""
+        new = value._data if isinstance(value, BitNetTrainingWeight) else value
+        if not isinstance(new, torch.Tensor) or (new.shape, new.dtype, new.device) != (
+                self.shape, self.dtype, self.device):
+            raise ValueError(
+                f"BitNet: weight.data = {type(value).__name__} of "
+                f"{getattr(value, 'shape', None)}, {getattr(value, 'dtype', None)}, "
+                f"{getattr(value, 'device', None)}; a BitNet weight takes only a tensor of its "
+                f"own shape, dtype and device ({tuple(self.shape)}, {self.dtype}, {self.device}). "
+                "Convert it first (.to), or copy it in with weight.copy_(t)."
+            )
+        _new_generation()
+        self._precomputed_abs_sum = None
+        self._data = new.detach()
+
     def set_precomputed_abs_sum(self, abs_sum: torch.Tensor) -> None:
         """Keep the whole weight's sum |W| of the current values (precompute_scales) until
         the next optimizer step or in-place op on the weight; the all-gather (FSDP) or
         forward (TP) without one all-reduces this layer's sum itself."""
         self._precomputed_abs_sum = abs_sum
+        self._abs_sum_version = self._data._version
         _weights_with_sums[id(self)] = self
 
     def ternary_codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -250,6 +281,12 @@ class BitNetTrainingWeight(_RoutesLinear):
             for a in tree_flatten((args, kwargs))[0]:
                 if isinstance(a, BitNetTrainingWeight):
                     a._precomputed_abs_sum = None
+        if func in _SAME_LATENT and type(args[0]) is BitNetTrainingWeight:
+            # A new wrapper over the same latent tensor. Run here, below autograd, detach
+            # would make a latent alias with a version counter of its own, so the
+            # plain-tensor aliases of state dicts (nn.Module.state_dict detaches) would
+            # hide their writes from the version checks of kept codes and packed shards.
+            return BitNetTrainingWeight(args[0]._data, int8_backward)
         out = func(*tree_map_only(BitNetTrainingWeight, lambda t: t._data, args),
                    **tree_map_only(BitNetTrainingWeight, lambda t: t._data, kwargs))
         if func in _KEEP_TRAINING_SUBCLASS:
@@ -285,7 +322,9 @@ class BitNetTrainingWeight(_RoutesLinear):
         # The whole weight's size: under tensor parallelism outer_size is the TP shard's.
         numel = module.in_features * module.out_features if isinstance(module, nn.Linear) \
             else outer_size.numel()
-        abs_sum = self._precomputed_abs_sum
+        # (and not written since through a state-dict alias, e.g. by DCP's in-place load:
+        # the version counter, which only this eager path can check)
+        abs_sum = self._precomputed_abs_sum if self._abs_sum_version == self._data._version else None
         if abs_sum is None:
             abs_sum = weight_abs_sum(self._data)
             if world > 1:
@@ -566,8 +605,18 @@ def refresh_ternary_codes(params: Iterable[torch.Tensor]) -> int:
 @torch.compiler.disable
 def refresh_ternary_codes_hook(module: nn.Module, args) -> None:
     """Forward pre-hook (``convert_to_bitnet``): the module's weights' codes, where stale.
-    Cheap when nothing changed: one generation compare. Never traced: it runs before a
-    compiled model's graph (which takes the codes as inputs), not inside it."""
+    Cheap when nothing changed: one generation compare, and one compare of the latent
+    tensors' version counters, which a write into a state-dict alias taken earlier bumps
+    (the state_dict() itself started a new generation, but the write may come after the
+    codes of that generation were computed). Never traced: it runs before a compiled
+    model's graph (which takes the codes as inputs), not inside it."""
+    weights = module.__dict__.get("_bitnet_kept_weights")
+    if weights is None:
+        weights = module._bitnet_kept_weights = [
+            p for p in module.parameters() if isinstance(p, BitNetTrainingWeight)]
+    if [w._data._version for w in weights] != module.__dict__.get("_bitnet_kept_versions"):
+        _new_generation()
     if getattr(module, "_bitnet_codes_generation", None) != _generation:
         refresh_ternary_codes(module.parameters())
         module._bitnet_codes_generation = _generation
+        module._bitnet_kept_versions = [w._data._version for w in weights]
