@@ -291,3 +291,228 @@ def test_gradient_dtype_change_between_steps_is_an_error():
     w.grad = torch.randn(64, 80).to(torch.bfloat16)
     with pytest.raises(TypeError, match="'w': gradient dtype changed"):
         opt.step()
+
+
+def _snapshot(opt):
+    """Every parameter's bytes, every state tensor's bytes, and the group options."""
+    raw = lambda t: t.detach().reshape(-1).contiguous().view(torch.uint8).clone()  # noqa: E731 (fp8 too)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return ([raw(p) for p in params],
+            [{k: raw(v) for k, v in opt.state[p].items()} for p in params],
+            [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+
+
+def _assert_same(a, b):
+    assert len(a[0]) == len(b[0]) and all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+    for x, y in zip(a[1], b[1]):
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    assert a[2] == b[2]
+
+
+def _two_groups(dtype=torch.float32, **kw):
+    a = torch.nn.Parameter(torch.randn(48, 80).to(dtype))
+    b = torch.nn.Parameter(torch.randn(32, 64).to(dtype))
+    opt = LowBitAdamW([{"params": [("a", a)]}, {"params": [("b", b)], "lr": 5e-3}], **{"min_quantized_numel": 0, **kw})
+    return a, b, opt
+
+
+def _grads(*params):
+    for p in params:
+        p.grad = torch.randn_like(p)
+
+
+@pytest.mark.parametrize("saved,built", [
+    ({"state_format": "8bit"}, {"state_format": "4bit"}),
+    ({"state_format": "fp32"}, {"state_format": "bf16"}),
+    ({"block_size": 0}, {"block_size": 64}),
+    ({"weight_update": "master"}, {"weight_update": "nearest"}),
+    ({"weight_update": "kahan"}, {"weight_update": "stochastic"}),
+    ({"decoupled_weight_decay": True}, {"decoupled_weight_decay": False}),
+    ({"min_quantized_numel": 0}, {"min_quantized_numel": 4096}),
+])
+def test_load_state_dict_refuses_other_layout_or_math_options(saved, built):
+    """torch would copy the saved option over the built one and silently go on with it."""
+    (key, want), (_, have) = next(iter(saved.items())), next(iter(built.items()))
+    a, b, src = _two_groups(torch.bfloat16, **saved)
+    _grads(a, b)
+    src.step()
+    sd = copy.deepcopy(src.state_dict())
+    kw = {"min_quantized_numel": 0, **built}
+    opt = LowBitAdamW([{"params": [("a", a)]}, {"params": [("b", b)], "lr": 5e-3}], **kw)
+    before = _snapshot(opt)
+    with pytest.raises(ValueError, match=rf"param group 0 .*'a'.*saved with {key}={want!r}.*built with "
+                                         rf"{key}={have!r}.*Build the optimizer with {key}={want!r}"):
+        opt.load_state_dict(sd)
+    _assert_same(before, _snapshot(opt))
+    _grads(a, b)
+    opt.step()
+
+
+def test_load_state_dict_restores_hyperparameters_as_torch_does():
+    a, b, src = _two_groups(lr=3e-3, betas=(0.8, 0.95))
+    _grads(a, b)
+    src.step()
+    opt = LowBitAdamW([{"params": [("a", a)]}, {"params": [("b", b)], "lr": 1.0}], min_quantized_numel=0)
+    opt.load_state_dict(copy.deepcopy(src.state_dict()))
+    assert [g["lr"] for g in opt.param_groups] == [3e-3, 5e-3] and opt.param_groups[0]["betas"] == (0.8, 0.95)
+
+
+@pytest.mark.parametrize("bad", ["torch_adamw", "no_format_key", "no_param_groups", "unknown_id", "bad_lr",
+                                 "state_shape"])
+def test_failed_load_state_dict_leaves_the_optimizer_unchanged(bad):
+    a, b, opt = _two_groups()
+    _grads(a, b)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][0]["lr"] = 0.5  # a valid change the failed load must not apply either
+    if bad == "torch_adamw":
+        ref = torch.optim.AdamW([torch.nn.Parameter(a.detach().clone())])
+        ref.add_param_group({"params": [torch.nn.Parameter(b.detach().clone())]})
+        sd = ref.state_dict()
+        match = "not saved by LowBitAdamW"
+    elif bad == "no_format_key":
+        del sd["param_groups"][1]["state_format"]
+        match = r"param group 1 of the state dict has no \['state_format'\]"
+    elif bad == "no_param_groups":
+        del sd["param_groups"]
+        match = "'state' and 'param_groups'"
+    elif bad == "unknown_id":
+        sd["state"][7] = sd["state"][0]
+        match = r"parameter ids \[7\]"
+    elif bad == "bad_lr":
+        sd["param_groups"][1]["lr"] = -1.0
+        match = "param group 1 of the state dict: lr=-1.0"
+    else:  # found only after torch replaced the groups and the state: they are put back
+        sd["state"][1]["exp_avg_codes"] = sd["state"][1]["exp_avg_codes"][:, :32]
+        match = "param 'b': the loaded optimizer state"
+    ta, tb = (torch.nn.Parameter(p.detach().clone()) for p in (a, b))
+    twin = LowBitAdamW([{"params": [("a", ta)]}, {"params": [("b", tb)]}], min_quantized_numel=0)
+    twin.load_state_dict(copy.deepcopy(opt.state_dict()))
+    before = _snapshot(opt)
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(sd)
+    _assert_same(before, _snapshot(opt))
+    for _ in range(2):  # the optimizer steps on exactly as one that never saw the load
+        _grads(a, b)
+        ta.grad, tb.grad = a.grad.clone(), b.grad.clone()
+        opt.step()
+        twin.step()
+    assert torch.equal(a, ta) and torch.equal(b, tb)
+
+
+def test_master_weights_start_from_the_weights_at_the_first_step():
+    """Weights loaded after the optimizer was built (model-only checkpoint, pretrained
+    weights) are what the first step updates; a master from a loaded state dict is kept."""
+    w = torch.nn.Parameter(torch.randn(64, 128, dtype=torch.bfloat16))
+    opt = LowBitAdamW([("w", w)], weight_update="master", nonfinite_grad="skip")
+    loaded = torch.randn(64, 128).to(torch.bfloat16)
+    with torch.no_grad():
+        w.copy_(loaded)
+    w.grad = torch.full_like(w, float("nan"))
+    opt.step()  # skipped: not a step that updates the weights
+    with torch.no_grad():
+        w.add_(1.0)
+        loaded = w.detach().clone()
+    w.grad = torch.zeros_like(w)
+    opt.step()
+    torch.testing.assert_close(w.float(), loaded.float(), atol=1e-2, rtol=0)
+
+    # resume: the loaded master holds the bits the bf16 weight cannot; it is not re-taken
+    kw = dict(lr=1e-3, weight_update="master", min_quantized_numel=0)
+    a = torch.nn.Parameter(torch.randn(64, 128, dtype=torch.bfloat16))
+    opt_a = LowBitAdamW([("a", a)], **kw)
+    for _ in range(2):
+        _grads(a)
+        opt_a.step()
+    b = torch.nn.Parameter(a.detach().clone())
+    opt_b = LowBitAdamW([("a", b)], **kw)
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
+    assert not torch.equal(opt_a.state[a]["master"], a.float())
+    _grads(a)
+    b.grad = a.grad.clone()
+    opt_a.step()
+    opt_b.step()
+    assert torch.equal(a, b) and torch.equal(opt_a.state[a]["master"], opt_b.state[b]["master"])
+
+
+@pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate")
+@pytest.mark.parametrize("group,match", [
+    ({"params": [("bad", torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float16)))]}, "'bad' has dtype"),
+    ({"params": [("c", torch.nn.Parameter(torch.randn(4, 4)))], "lr": -1.0}, "param group 2: lr=-1.0"),
+    ({"params": [("c", torch.nn.Parameter(torch.randn(4, 4)))], "state_format": "2bit"}, "state_format='2bit'"),
+    ("twice", "'d' is listed twice in param group 2"),
+])
+def test_failed_add_param_group_leaves_the_optimizer_unchanged(group, match):
+    a, b, opt = _two_groups()
+    if group == "twice":
+        d = torch.nn.Parameter(torch.randn(8, 8))
+        group = {"params": [("d", d), ("d", d)]}
+    before = _snapshot(opt)
+    with pytest.raises((TypeError, ValueError), match=match):
+        opt.add_param_group(group)
+    _assert_same(before, _snapshot(opt))
+    assert len(opt.state) == 2
+    _grads(a, b)
+    opt.step()
+
+
+@pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate")
+def test_duplicate_parameter_in_the_constructor_is_an_error():
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    with pytest.raises(ValueError, match="'blocks.0.w' is listed twice in param group 0"):
+        LowBitAdamW([("blocks.0.w", w), ("blocks.0.w", w)])
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("betas", (0.9, 1.0), r"param group 1: betas=\(0.9, 1.0\)"),
+    ("lr", -1.0, "param group 1: lr=-1.0"),
+    ("lr", float("nan"), "param group 1: lr=nan"),
+    ("lr", torch.tensor(float("nan")), "param group 1: lr=nan"),
+    ("eps", -1e-8, "param group 1: eps=-1e-08"),
+    ("state_format", "4bit", r"param group 1 \(1 params: 'b'\): state_format was changed from '8bit' to '4bit'"),
+    ("state_format", "3bit", "param group 1: state_format='3bit'"),
+    ("block_size", 64, "block_size was changed from 0 to 64"),
+    ("weight_update", "master", "weight_update was changed from 'nearest' to 'master'"),
+    ("decoupled_weight_decay", False, "decoupled_weight_decay was changed from True to False"),
+])
+def test_group_changed_at_runtime_is_checked_before_the_step_touches_anything(key, value, match):
+    """A scheduler or user code may change a group after it was added: a later group's bad
+    value must not leave the step half done (earlier groups updated, step counts bumped)."""
+    a, b, opt = _two_groups()
+    _grads(a, b)
+    opt.step()
+    _grads(a, b)
+    before = _snapshot(opt)
+    old = opt.param_groups[1][key]
+    opt.param_groups[1][key] = value
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    opt.param_groups[1][key] = old
+    _assert_same(before, _snapshot(opt))
+    b.grad[0, 0] = float("nan")  # the non-finite check, too, covers every group before any is stepped
+    with pytest.raises(FloatingPointError, match="'b'"):
+        opt.step()
+    _assert_same(before, _snapshot(opt))
+    b.grad[0, 0] = 0.0
+    opt.step()
+    assert [int(opt.state[p]["step"]) for p in (a, b)] == [2, 2]
+
+
+@pytest.mark.parametrize("fmt", ["8bit", "4bit", "fp8", "fp32"])
+@pytest.mark.parametrize("policy", ["raise", "skip", "ignore"])
+def test_empty_parameters_are_skipped(fmt, policy):
+    """A zero-size parameter (or an FSDP2 rank's empty shard) has nothing to update; the
+    others step as if it were not there, and its step count keeps up with them."""
+    a = torch.nn.Parameter(torch.randn(48, 80))
+    twin = torch.nn.Parameter(a.detach().clone())
+    empties = [torch.nn.Parameter(torch.randn(s)) for s in ((0, 80), (5, 0), (0,))]
+    kw = dict(state_format=fmt, min_quantized_numel=0, nonfinite_grad=policy)
+    opt = LowBitAdamW([("a", a)] + [(f"e{i}", e) for i, e in enumerate(empties)], **kw)
+    ref = LowBitAdamW([("a", twin)], **kw)
+    for _ in range(2):
+        _grads(a, *empties)
+        twin.grad = a.grad.clone()
+        opt.step()
+        ref.step()
+    assert torch.equal(a, twin)
+    assert [int(opt.state[e]["step"]) for e in empties] == [2, 2, 2]

@@ -37,6 +37,10 @@ logger = logging.getLogger(__name__)
 SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16)
 _ARENA_ALIGN = 128  # bytes: every state tensor starts on a vector- and cache-line boundary
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
+# Group options fixed once a group's states exist: they set the states' layout, or the kernel
+# configuration cached in the step plan. The hyperparameters (lr, betas, eps, weight_decay)
+# may change at any time (LR schedulers do) and are restored from a loaded state dict.
+FIXED_OPTIONS = ("state_format", "block_size", "weight_update", "min_quantized_numel", "decoupled_weight_decay")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -109,6 +113,9 @@ class LowBitAdamW(torch.optim.Optimizer):
         # Launch shape of the fused kernel (FusedAdamW's elems_per_program, num_warps);
         # empty = the kernel's tuned defaults. For benchmarks and tuning only.
         self.launch_options: dict[str, int] = {}
+        self._fixed: list[tuple] = []  # each group's FIXED_OPTIONS values when it was added
+        # bf16 parameters whose fp32 master weights are taken at their first step (see _take_masters)
+        self._master_pending: set[torch.Tensor] = set()
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_format=state_format,
                         decoupled_weight_decay=decoupled_weight_decay, weight_update=weight_update,
                         block_size=block_size, min_quantized_numel=min_quantized_numel)
@@ -118,31 +125,51 @@ class LowBitAdamW(torch.optim.Optimizer):
     # groups, validation, state
     # ------------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add and validate a group; on any error the optimizer is left as it was (torch
+        would keep the bad group, and every later step would fail on it)."""
+        gi = len(self.param_groups)
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        gi = len(self.param_groups) - 1
-        self._check_group(group, gi)
-        names = group.get("param_names")
-        for pi, p in enumerate(group["params"]):
-            name = names[pi] if names else f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
-            self._names[p] = name
-            self._order[p] = len(self._order)
-            self._check_param(p, group)
-        self._init_states(group["params"], group)
+        group = self.param_groups[gi]
+        try:
+            self._check_group(group, f"param group {gi}")
+            names = group.get("param_names")
+            seen: set[torch.Tensor] = set()
+            for pi, p in enumerate(group["params"]):
+                name = names[pi] if names else f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
+                if p in seen:  # torch only warns, and the parameter would be stepped twice per step
+                    raise ValueError(f"param '{name}' is listed twice in param group {gi}; list each "
+                                     "parameter once")
+                seen.add(p)
+                self._names[p] = name
+                self._order[p] = len(self._order)
+                self._check_param(p, group)
+            self._init_states(group["params"], group)
+        except BaseException:
+            del self.param_groups[gi:]
+            for p in group["params"]:
+                for table in (self._names, self._order, self.state):
+                    table.pop(p, None)
+                self._master_pending.discard(p)
+            raise
+        self._fixed.append(tuple(group[k] for k in FIXED_OPTIONS))
         self._plans.clear()
         self._step_plan = None
 
     def _name(self, p: torch.Tensor) -> str:
         return self._names.get(p, f"parameter of shape {tuple(p.shape)}")
 
-    def _check_group(self, group: dict[str, Any], gi: int) -> None:
-        where = f"param group {gi}"
+    def _group_desc(self, gi: int) -> str:
+        params = self.param_groups[gi]["params"]
+        names = [f"'{self._name(p)}'" for p in params[:3]] + (["..."] if len(params) > 3 else [])
+        return f"param group {gi} ({len(params)} params: {', '.join(names)})"
+
+    def _check_group(self, group: dict[str, Any], where: str) -> None:
         lr = group["lr"]
         if isinstance(lr, torch.Tensor):
             if lr.numel() != 1:
                 raise ValueError(f"{where}: lr tensor must hold one value, got shape {tuple(lr.shape)}")
-            if lr.device.type == "cpu" and lr.item() < 0:
-                raise ValueError(f"{where}: lr={lr.item()} is negative; use lr >= 0")
+            if lr.device.type == "cpu" and not (lr.item() >= 0 and math.isfinite(lr.item())):
+                raise ValueError(f"{where}: lr={lr.item()} is invalid; use a finite lr >= 0")
         elif not isinstance(lr, (int, float)) or lr < 0 or not math.isfinite(lr):
             raise ValueError(f"{where}: lr={lr!r} is invalid; use a finite float >= 0")
         betas = group["betas"]
@@ -239,6 +266,7 @@ class LowBitAdamW(torch.optim.Optimizer):
             local = arena[start:start + nbytes].view(dtype).view(shape)
             if key == "master":
                 local.copy_(_local(p).detach())
+                self._master_pending.add(p)
             self.state[p][key] = self._wrap(p, local, gshape)
         for p in todo:
             self.state[p]["step"] = torch.tensor(0.0)
@@ -266,14 +294,61 @@ class LowBitAdamW(torch.optim.Optimizer):
     # checkpoints
     # ------------------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load like torch, but keep every state tensor's dtype.
+        """Load like torch, but check first, keep every state tensor's dtype, and on any
+        error leave the optimizer exactly as it was.
 
-        ``torch.optim.Optimizer.load_state_dict`` casts floating state to the parameter's
-        dtype; our states have their own dtypes (fp32 scales and master weights next to bf16
-        parameters), so torch loads the groups and we place the state (moved, never cast).
+        ``torch.optim.Optimizer.load_state_dict`` copies the saved group options over the
+        ones this optimizer was built with, so an 8-bit checkpoint loaded into a 4-bit
+        optimizer would silently go on as 8-bit: the FIXED_OPTIONS must match (the
+        hyperparameters are restored from the checkpoint, as in torch). Torch also casts
+        floating state to the parameter's dtype; our states have their own dtypes (fp32
+        scales and master weights next to bf16 parameters), so torch loads the groups and
+        we place the state (moved, never cast).
         """
+        self._check_loadable(state_dict)
+        before = (self.state, self.param_groups, self._master_pending)
+        try:  # torch and _load replace these objects, never change them: put them back
+            self._load(state_dict)
+        except BaseException:
+            self.state, self.param_groups, self._master_pending = before
+            raise
+        self._plans.clear()
+        self._step_plan = None
+
+    def _check_loadable(self, state_dict: dict[str, Any]) -> None:
+        """Raise, before anything changes, when ``state_dict`` does not fit this optimizer."""
+        if not (isinstance(state_dict, dict) and "state" in state_dict and "param_groups" in state_dict):
+            raise ValueError("LowBitAdamW.load_state_dict needs an optimizer state dict with 'state' and "
+                             "'param_groups' (from LowBitAdamW.state_dict())")
+        saved = state_dict["param_groups"]
+        sizes = [len(g.get("params", ())) for g in saved]
+        if sizes != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError(f"the state dict has param groups of {sizes} parameters, this optimizer of "
+                             f"{[len(g['params']) for g in self.param_groups]}: build the optimizer with the "
+                             "param groups the state dict was saved with")
+        for gi, (s, g) in enumerate(zip(saved, self.param_groups)):
+            missing = [k for k in self.defaults if k not in s]
+            if missing:
+                raise ValueError(f"param group {gi} of the state dict has no {missing}: it was not saved by "
+                                 "LowBitAdamW (torch.optim.AdamW's?). Load a LowBitAdamW state dict, or start "
+                                 "the optimizer state afresh (load the model weights only)")
+            for k in FIXED_OPTIONS:
+                if s[k] != g[k]:
+                    raise ValueError(
+                        f"{self._group_desc(gi)}: the state dict was saved with {k}={s[k]!r}, this optimizer "
+                        f"was built with {k}={g[k]!r} (torch would silently go on with the saved one). Build "
+                        f"the optimizer with {k}={s[k]!r} to resume it, or start the optimizer state afresh")
+            self._check_group({**g, **s}, f"param group {gi} of the state dict")
+        known = {i for g in saved for i in g["params"]}
+        unknown = [k for k in state_dict["state"] if k not in known]
+        if unknown:
+            raise ValueError(f"the state dict holds state for parameter ids {unknown[:5]} that no param group "
+                             "lists; it is damaged or not an optimizer state dict")
+
+    def _load(self, state_dict: dict[str, Any]) -> None:
         saved_state = state_dict["state"]
         super().load_state_dict({**state_dict, "state": {}})
+        self._master_pending = set(self._master_pending)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         by_id = dict(zip(saved_ids, params))
@@ -281,10 +356,8 @@ class LowBitAdamW(torch.optim.Optimizer):
             p = by_id[key]
             self.state[p] = {k: (v if k == "step" or not isinstance(v, torch.Tensor) else v.to(device=p.device))
                              for k, v in st.items()}
-        self._plans.clear()
-        self._step_plan = None
-        for gi, group in enumerate(self.param_groups):
-            self._check_group(group, gi)
+            self._master_pending.discard(p)  # a loaded master is kept
+        for group in self.param_groups:
             for p in group["params"]:
                 self._check_loaded_state(p, group)
 
@@ -334,6 +407,9 @@ class LowBitAdamW(torch.optim.Optimizer):
             by_device.setdefault(g.device, []).append(i)
         flags = []
         for idx in by_device.values():
+            idx[:] = [i for i in idx if grads[i].numel()]  # empty shards: nothing to check
+            if not idx:
+                continue
             norms = torch._foreach_norm([grads[i] for i in idx], float("inf"), dtype=torch.float32)
             flags.append((idx, torch.isfinite(torch.stack(norms))))
         return flags
@@ -366,6 +442,7 @@ class LowBitAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
+        self._check_groups()
         with_grad = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         if not with_grad:
             return loss
@@ -387,7 +464,7 @@ class LowBitAdamW(torch.optim.Optimizer):
             if self._use_fused(_local(fam.params[0])):
                 work.append((fam, hyper, self._fused_launches(fam, fam_grads), None))
             else:
-                work.append((fam, hyper, None, fam_grads))
+                work.append((fam, hyper, None, ([self._kernel_tensor(p, fam.cfg) for p in fam.params], fam_grads)))
 
         if check is not None:
             bad = self._nonfinite_param(plan.params, check)
@@ -403,19 +480,43 @@ class LowBitAdamW(torch.optim.Optimizer):
                                f"({self.skipped_steps} skipped so far)")
                 return loss
 
+        if self._master_pending:
+            self._take_masters(plan.params)
         if plan.all_params:
             self._steps_buf.add_(1.0)
         else:
             self._steps_buf.index_add_(0, plan.step_index, torch.ones(len(plan.params)))
-        for fam, hyper, launches, fam_grads in work:
+        for fam, hyper, launches, reference in work:
             fam.step += 1
             if launches is not None:
                 for pl in launches:
                     pl.launch(hyper)
             else:
-                tensors = [self._kernel_tensor(p, fam.cfg) for p in fam.params]
-                adamw_step_reference(fam.cfg, tensors, fam_grads, hyper)
+                adamw_step_reference(fam.cfg, *reference, hyper)
         return loss
+
+    def _check_groups(self) -> None:
+        """Validate every group before a step touches anything: a scheduler or user code may
+        have changed one since it was added (a beta of 1 would divide by zero halfway
+        through the step, after other groups were updated)."""
+        for gi, group in enumerate(self.param_groups):
+            self._check_group(group, f"param group {gi}")
+            fixed = tuple(group[k] for k in FIXED_OPTIONS)
+            if fixed != self._fixed[gi]:
+                k, was, now = next((k, a, b) for k, a, b in zip(FIXED_OPTIONS, self._fixed[gi], fixed) if a != b)
+                raise ValueError(f"{self._group_desc(gi)}: {k} was changed from {was!r} to {now!r} after the "
+                                 "group's optimizer states were created, which fixed it; set it back, or build "
+                                 f"a new optimizer with {k}={now!r}")
+
+    def _take_masters(self, params: list[torch.Tensor]) -> None:
+        """Copy the parameters into their fp32 master weights at their first step, not at
+        construction: weights loaded after the optimizer was built (a model-only checkpoint,
+        pretrained weights) would otherwise be overwritten by the stale copy. A master loaded
+        from a state dict is kept (load_state_dict takes it off the pending set)."""
+        for p in params:
+            if p in self._master_pending:
+                _local(self.state[p]["master"]).copy_(_local(p))
+                self._master_pending.discard(p)
 
     def _build_step_plan(self, with_grad: list[torch.Tensor]) -> "_StepPlan":
         """Validate the gradients fully and group the parameters into launch families.
@@ -430,6 +531,8 @@ class LowBitAdamW(torch.optim.Optimizer):
         group_of = {p: gi for gi, group in enumerate(self.param_groups) for p in group["params"]}
         families: dict[tuple, _Family] = {}
         for i, (p, g) in enumerate(zip(with_grad, grads)):
+            if not g.numel():
+                continue  # an empty parameter or local shard (FSDP2): nothing to update; its step still counts
             gi = group_of[p]
             key = (gi, self._kernel_config(p, g, gi), _local(p).device, int(steps[position[p]]))
             fam = families.setdefault(key, _Family(gi, key[1], key[3], [], []))
