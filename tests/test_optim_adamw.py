@@ -516,3 +516,37 @@ def test_empty_parameters_are_skipped(fmt, policy):
         ref.step()
     assert torch.equal(a, twin)
     assert [int(opt.state[e]["step"]) for e in empties] == [2, 2, 2]
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_container_checks_every_model_part_before_stepping_any(policy):
+    """Pipeline parallelism: one optimizer per model part in torchtitan's container. An
+    inf in the second part's gradients must neither leave the first part stepped (raise)
+    nor step it alone (skip)."""
+    from torchtitan.config import Optimizer as OptimizerConfig
+
+    from titan_lowbit.config import LowBit
+    from titan_lowbit.optimizer_builder import build_lowbit_optimizers
+    from torchtitan.components.optimizer import build_optimizers
+
+    torch.manual_seed(0)
+    parts = [torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)]
+    opts = build_lowbit_optimizers(parts, OptimizerConfig(name="AdamW8bit"), None,
+                                   lowbit=LowBit(min_quantized_numel=0, nonfinite_grad=policy),
+                                   seed=0, base_builder=build_optimizers)
+    before = [p.detach().clone() for m in parts for p in m.parameters()]
+    for m in parts:
+        m(torch.randn(4, 64)).square().mean().backward()
+    parts[1].weight.grad[3, 5] = float("inf")
+    if policy == "raise":
+        with pytest.raises(FloatingPointError, match="param 'weight' of model part 1; no model part was stepped"):
+            opts.step()
+    else:
+        opts.step()
+        assert [o.skipped_steps for o in opts.optimizers] == [1, 1]
+    assert all(torch.equal(a, p) for a, p in zip(before, (p for m in parts for p in m.parameters())))
+    # finite gradients again: both parts step, each checked once
+    parts[1].weight.grad[3, 5] = 0.0
+    opts.step()
+    assert not any(torch.equal(a, p) for a, p in zip(before, (p for m in parts for p in m.parameters())))
+    assert not any(o.grads_checked for o in opts.optimizers)

@@ -125,7 +125,32 @@ def build_lowbit_optimizers(
     factory = NamedParamsOptimizer(LowBitAdamW, model_parts)
     if optimizer_config.early_step_in_backward:
         return OptimizersInBackwardContainer(model_parts, factory, kwargs)
-    return OptimizersContainer(model_parts, factory, kwargs)
+    return LowBitOptimizersContainer(model_parts, factory, kwargs)
+
+
+class LowBitOptimizersContainer(OptimizersContainer):
+    """torchtitan's container (one optimizer per model part, as under pipeline
+    parallelism) whose step checks every part's gradients for inf/nan before it steps
+    any: torchtitan's steps the parts one after another, so a raise in the second part,
+    or a skip of it alone, would leave the first part stepped and the parts out of step."""
+
+    def step(self, *args, **kwargs) -> None:
+        if len(self.optimizers) > 1:
+            found = [(i, opt.find_nonfinite_grad()) for i, opt in enumerate(self.optimizers)]
+            bad = [(i, name) for i, name in found if name is not None]
+            if bad:
+                i, name = bad[0]
+                where = f"param '{name}' of model part {i}" if name else "a parameter on another rank"
+                if self.optimizers[0].nonfinite_grad == "raise":
+                    raise FloatingPointError(
+                        f"non-finite gradient (inf/nan) in {where}; no model part was stepped. Fix "
+                        "the loss scale / learning rate, or set [lowbit] nonfinite_grad = 'skip'")
+                for opt in self.optimizers:
+                    opt.count_skipped_step(where)
+                return
+            for opt in self.optimizers:
+                opt.grads_checked = True
+        super().step(*args, **kwargs)
 
 
 def describe(optimizers: OptimizersContainer, optimizer_name: str, lowbit: LowBit, converters) -> str:

@@ -103,6 +103,9 @@ class LowBitAdamW(torch.optim.Optimizer):
         self.seed = seed
         self.nonfinite_grad = nonfinite_grad
         self.skipped_steps = 0
+        # Set by a container that ran find_nonfinite_grad on all its optimizers: the next
+        # step skips its own check.
+        self.grads_checked = False
         self._names: dict[torch.Tensor, str] = {}
         self._order: dict[torch.Tensor, int] = {}
         self._plans: dict[tuple, list[FusedAdamW]] = {}
@@ -442,6 +445,7 @@ class LowBitAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
+        checked, self.grads_checked = self.grads_checked, False
         self._check_groups()
         with_grad = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         if not with_grad:
@@ -453,8 +457,9 @@ class LowBitAdamW(torch.optim.Optimizer):
 
         # Everything a launch needs is prepared before the non-finite check's host sync
         # (plans, pointer checks, gradient-offset uploads, scalars), so that after the
-        # sync only the kernel launches remain: the GPU idles for them alone.
-        check = self._nonfinite_launch(grads) if self.nonfinite_grad != "ignore" else None
+        # sync only the kernel launches remain: the GPU idles for them alone. (Not when
+        # a container of several optimizers checked them all first: grads_checked.)
+        check = self._nonfinite_launch(grads) if self.nonfinite_grad != "ignore" and not checked else None
         work = []
         for fam in plan.families:
             group = self.param_groups[fam.group]
@@ -475,9 +480,7 @@ class LowBitAdamW(torch.optim.Optimizer):
                         f"non-finite gradient (inf/nan) in {where} before optimizer step "
                         f"{int(self.state[plan.params[0]]['step']) + 1}; fix the loss scale / learning rate, "
                         "or build the optimizer with nonfinite_grad='skip' to skip such steps")
-                self.skipped_steps += 1
-                logger.warning(f"LowBitAdamW: skipped a step with a non-finite gradient in {where} "
-                               f"({self.skipped_steps} skipped so far)")
+                self.count_skipped_step(where)
                 return loss
 
         if self._master_pending:
@@ -494,6 +497,29 @@ class LowBitAdamW(torch.optim.Optimizer):
             else:
                 adamw_step_reference(fam.cfg, *reference, hyper)
         return loss
+
+    def find_nonfinite_grad(self) -> Optional[str]:
+        """The step's non-finite check alone, for a container of several optimizers that
+        must decide for all of them before stepping any (a raise or skip after another
+        optimizer stepped would leave the model parts out of step): the name of a
+        parameter with an inf/nan gradient, '' if only another rank has one, None if all
+        are finite or the check is off."""
+        if self.nonfinite_grad == "ignore":
+            return None
+        self._check_groups()
+        with_grad = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if not with_grad:
+            return None
+        plan = self._step_plan
+        if plan is None or not plan.same_params(with_grad):
+            plan = self._step_plan = self._build_step_plan(with_grad)
+        return self._nonfinite_param(plan.params, self._nonfinite_launch(plan.local_grads(self)))
+
+    def count_skipped_step(self, where: str) -> None:
+        """A step skipped for a non-finite gradient (nonfinite_grad='skip')."""
+        self.skipped_steps += 1
+        logger.warning(f"LowBitAdamW: skipped a step with a non-finite gradient in {where} "
+                       f"({self.skipped_steps} skipped so far)")
 
     def _check_groups(self) -> None:
         """Validate every group before a step touches anything: a scheduler or user code may
