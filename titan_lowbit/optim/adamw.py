@@ -446,13 +446,9 @@ class LowBitAdamW(torch.optim.Optimizer):
                 loss = closure()
 
         checked, self.grads_checked = self.grads_checked, False
-        self._check_groups()
-        with_grad = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if not with_grad:
+        plan = self._checked_plan()
+        if plan is None:
             return loss
-        plan = self._step_plan
-        if plan is None or not plan.same_params(with_grad):
-            plan = self._step_plan = self._build_step_plan(with_grad)
         grads = plan.local_grads(self)
 
         # Everything a launch needs is prepared before the non-finite check's host sync
@@ -506,6 +502,14 @@ class LowBitAdamW(torch.optim.Optimizer):
         are finite or the check is off."""
         if self.nonfinite_grad == "ignore":
             return None
+        plan = self._checked_plan()
+        if plan is None:
+            return None
+        return self._nonfinite_param(plan.params, self._nonfinite_launch(plan.local_grads(self)))
+
+    def _checked_plan(self) -> Optional["_StepPlan"]:
+        """The step plan of the parameters that have gradients (None if none has), after
+        every group's options were checked."""
         self._check_groups()
         with_grad = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         if not with_grad:
@@ -513,7 +517,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         plan = self._step_plan
         if plan is None or not plan.same_params(with_grad):
             plan = self._step_plan = self._build_step_plan(with_grad)
-        return self._nonfinite_param(plan.params, self._nonfinite_launch(plan.local_grads(self)))
+        return plan
 
     def count_skipped_step(self, where: str) -> None:
         """A step skipped for a non-finite gradient (nonfinite_grad='skip')."""
