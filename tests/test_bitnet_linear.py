@@ -187,11 +187,13 @@ def test_a_replaced_weight_is_refused_not_trained_as_a_plain_linear():
     # F.linear's own argument names reach the BitNet linear.
     w = lin.weight
     assert torch.equal(torch.nn.functional.linear(input=x, weight=w, bias=lin.bias), lin(x))
+    with pytest.raises(ValueError, match="linear '0' takes 32 input features, got an input of shape \\(3, 31\\)"):
+        lin(x[:, :31])
     plain = {k: v.detach().clone() for k, v in lin.state_dict().items()}
     lin.load_state_dict(plain)  # copies into the BitNet weight
     assert isinstance(lin.weight, BitNetTrainingWeight)
     lin.load_state_dict(plain, assign=True)  # replaces it with a plain tensor
-    with pytest.raises(TypeError, match="plain Parameter.*assign=False"):
+    with pytest.raises(TypeError, match="linear '0' .*plain Parameter.*assign=False"):
         lin(x)
     with pytest.raises(TypeError, match="replaced after conversion"):
         torch.func.functional_call(lin, {"weight": torch.randn(32, 32), "bias": lin.bias}, (x,))

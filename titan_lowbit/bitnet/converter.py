@@ -131,6 +131,7 @@ def convert_to_bitnet(model: nn.Module, filter_fqns=DEFAULT_FILTER,
             # Same module, a forward that also handles tensor-parallel shards; a subclass
             # of nn.Linear keeps its own class (and is refused under TP).
             mod.__class__ = BitNetLinear
+            mod.bitnet_name = name
         converted.append(name)
     if not converted:
         raise ValueError(

@@ -24,6 +24,8 @@ class BitNetLinear(nn.Linear):
 
     # The TP process group when the TP plan shards this layer (enable_tensor_parallel).
     bitnet_tp_group = None
+    # The layer's FQN in the model it was converted in, for error messages.
+    bitnet_name = "?"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
@@ -31,11 +33,16 @@ class BitNetLinear(nn.Linear):
         if not isinstance(local, (BitNetTrainingWeight, BitNetTernaryWeight)):
             # F.linear would silently train this layer as a plain linear.
             raise TypeError(
-                f"BitNet: the weight of this converted linear ({self.in_features}->"
+                f"BitNet: the weight of linear {self.bitnet_name!r} ({self.in_features}->"
                 f"{self.out_features}) is a plain {type(local).__name__}: it was replaced after "
                 "conversion (load_state_dict(..., assign=True), module.weight = ..., "
                 "torch.func.functional_call). Load with assign=False (the default), or convert "
                 "the layer again with titan_lowbit.bitnet.convert_to_bitnet."
+            )
+        if x.shape[-1] != self.in_features:  # (a DTensor input reports its global shape)
+            raise ValueError(
+                f"BitNet: linear {self.bitnet_name!r} takes {self.in_features} input features, "
+                f"got an input of shape {tuple(x.shape)}."
             )
         if isinstance(weight, DTensor):
             return tensor_parallel_linear(self, x)
