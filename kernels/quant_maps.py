@@ -85,6 +85,12 @@ ENC_WINDOW = {CODEC_DYN8_SIGNED: 4096, CODEC_DYN8_UNSIGNED: 4096, CODEC_DYN4_SIG
 ENC_ROW = 128 << max(ENC_MANT_BITS.values())  # row stride of the stacked encode tables
 
 
+def is_block_size(bs) -> bool:
+    """A valid quantization block size (the optimizer's block_size): 0 for the format's
+    default, or a power of two >= 2 (the kernel's block is a tl.arange); an int."""
+    return isinstance(bs, int) and not isinstance(bs, bool) and (bs == 0 or (bs >= 2 and not bs & (bs - 1)))
+
+
 def enc_shift(codec: int) -> int:
     """Right shift of a float32's bits that leaves its bucket index (exponent and top bits)."""
     return 23 - ENC_MANT_BITS[codec]

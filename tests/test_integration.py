@@ -55,11 +55,43 @@ def test_bad_lowbit_value_names_key_and_choices(tmp_path, key, value, choices):
     assert f"[lowbit] {key}" in str(err.value) and choices in str(err.value)
 
 
-@pytest.mark.parametrize("block", [-1, 3])
+@pytest.mark.parametrize("block", [-1, 3, 96])
 def test_bad_block_size(tmp_path, block):
     toml = f'[job]\ncustom_config_module = "titan_lowbit.config"\n[lowbit]\nblock_size = {block}\n'
     with pytest.raises(ValueError, match=r"\[lowbit\] block_size"):
         parse(toml=toml, tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize("key,value,kind", [
+    ("block_size", '"128"', "int"), ("block_size", "128.0", "int"), ("min_quantized_numel", '"4096"', "int"),
+    ("bitnet_int8_backward", '"false"', "bool"), ("bitnet_keep_codes", '"no"', "bool"),
+    ("bitnet_filter", "3", "list of strings"), ("bitnet_filter", "[1, 2]", "list of strings"),
+])
+def test_lowbit_value_of_the_wrong_type_is_refused(tmp_path, key, value, kind):
+    """tyro hands a TOML value of the wrong type through as it is: a string "false" for
+    a bool would read as true."""
+    toml = f'[job]\ncustom_config_module = "titan_lowbit.config"\n[lowbit]\n{key} = {value}\n'
+    with pytest.raises(ValueError, match=rf"\[lowbit\] {key} = .* must be a (TOML )?{kind}"):
+        parse(toml=toml, tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize("name,lowbit,early,match", [
+    ("AdamW", dict(block_size=64), False, r"\[lowbit\] block_size set, but \[optimizer\] name = 'AdamW' is torch's"),
+    ("AdamW", dict(nonfinite_grad="skip", min_quantized_numel=1), False, "min_quantized_numel, nonfinite_grad set"),
+    ("AdamW8bit", dict(weight_update="stochastic"), False, "all parameters are fp32"),
+    ("AdamW", dict(weight_update="kahan"), False, "all parameters are fp32"),
+    ("AdamW8bit", dict(nonfinite_grad="skip"), True, "early_step_in_backward each parameter steps on its own"),
+])
+def test_optimizer_settings_that_would_be_ignored_are_refused(name, lowbit, early, match):
+    from torchtitan.components.optimizer import build_optimizers
+    from torchtitan.config import Optimizer as OptimizerConfig
+
+    from titan_lowbit.config import LowBit
+    from titan_lowbit.optimizer_builder import build_lowbit_optimizers
+
+    with pytest.raises(ValueError, match=match):
+        build_lowbit_optimizers([torch.nn.Linear(64, 64)], OptimizerConfig(name=name, early_step_in_backward=early),
+                                None, lowbit=LowBit(**lowbit), seed=0, base_builder=build_optimizers)
 
 
 # ---- registration -------------------------------------------------------------------

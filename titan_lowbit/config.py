@@ -12,6 +12,9 @@ The optimizer itself is chosen by torchtitan's own ``[optimizer] name`` (``AdamW
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import get_args, Literal
 
+# (the block rule lives with the code books, which kernels and optimizer share)
+from titan_lowbit.kernels.quant_maps import is_block_size
+
 WeightDtype = Literal["auto", "float32", "bfloat16"]
 WeightUpdate = Literal["nearest", "stochastic", "kahan", "master"]
 NonfinitePolicy = Literal["raise", "skip"]
@@ -81,20 +84,34 @@ class LowBit:
     intermediate may be rounded at a different point."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.bitnet_filter, str):
+            self.bitnet_filter = [s for s in self.bitnet_filter.split(",") if s]
+        # Types first: tyro passes a TOML value of the wrong type through as it is (a
+        # string "false" for a bool would read as true).
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in (bool, int) and (type(value) is not f.type):
+                raise ValueError(
+                    f"[lowbit] {f.name} = {value!r} must be a TOML {f.type.__name__} "
+                    f"({'true or false' if f.type is bool else 'an integer'}, without quotes)"
+                )
+        if not (isinstance(self.bitnet_filter, list) and all(isinstance(s, str) for s in self.bitnet_filter)):
+            raise ValueError(
+                f"[lowbit] bitnet_filter = {self.bitnet_filter!r} must be a list of strings "
+                '(module name fragments, e.g. ["output"])'
+            )
         _check_choice("weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
         _check_choice("weight_update", self.weight_update, WEIGHT_UPDATES)
         _check_choice("nonfinite_grad", self.nonfinite_grad, NONFINITE_POLICIES)
-        if self.block_size < 0 or (self.block_size and self.block_size % 2):
+        if not is_block_size(self.block_size):
             raise ValueError(
-                f"[lowbit] block_size = {self.block_size} must be 0 (format default) "
-                "or a positive even number"
+                f"[lowbit] block_size = {self.block_size} must be 0 (the format's default) "
+                "or a power of two >= 2"
             )
         if self.min_quantized_numel < 0:
             raise ValueError(
                 f"[lowbit] min_quantized_numel = {self.min_quantized_numel} must be >= 0"
             )
-        if isinstance(self.bitnet_filter, str):
-            self.bitnet_filter = [s for s in self.bitnet_filter.split(",") if s]
 
 
 def lowbit_of(job_config) -> LowBit:

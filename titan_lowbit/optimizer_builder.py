@@ -81,6 +81,40 @@ def state_bytes_per_param(optimizers: OptimizersContainer) -> float:
     return total_bytes / max(total_numel, 1)
 
 
+def check_combination(name: str, lowbit: LowBit, early_step_in_backward: bool,
+                      model_parts: list[nn.Module]) -> None:
+    """Refuse [optimizer] / [lowbit] settings that would be silently ignored or would
+    not do what they say."""
+    if lowbit.weight_update != "nearest" and not any(p.dtype == torch.bfloat16 for p in _params(model_parts)):
+        raise ValueError(
+            f"[lowbit] weight_update = {lowbit.weight_update!r} rounds AdamW's result into bf16 "
+            "weights, but all parameters are fp32 (updated exactly). Set [lowbit] weight_dtype = "
+            '"bfloat16" for full-BF16 training, or remove weight_update.'
+        )
+    if name in TORCH_OPTIMIZERS and lowbit.weight_update == "nearest":
+        defaults = LowBit()
+        ignored = [k for k in ("block_size", "min_quantized_numel", "nonfinite_grad")
+                   if getattr(lowbit, k) != getattr(defaults, k)]
+        if ignored:
+            raise ValueError(
+                f"[lowbit] {', '.join(ignored)} set, but [optimizer] name = {name!r} is torch's "
+                f"{name}, which has no such option. Remove {'them' if len(ignored) > 1 else 'it'}, or "
+                f"choose a titan_lowbit optimizer ({', '.join(sorted(OPTIMIZERS_NAMES()))})."
+            )
+    if early_step_in_backward and lowbit.nonfinite_grad == "skip" and name not in TORCH_OPTIMIZERS:
+        raise ValueError(
+            "[lowbit] nonfinite_grad = 'skip' skips a whole optimizer step, but with [optimizer] "
+            "early_step_in_backward each parameter steps on its own as its gradient arrives: the "
+            "others would still step. Use nonfinite_grad = 'raise', or turn early_step_in_backward off."
+        )
+
+
+def OPTIMIZERS_NAMES() -> list[str]:
+    from titan_lowbit.optim import OPTIMIZERS
+
+    return list(OPTIMIZERS)
+
+
 def build_lowbit_optimizers(
     model_parts: list[nn.Module],
     optimizer_config,
@@ -92,6 +126,7 @@ def build_lowbit_optimizers(
     base_builder: Callable[..., OptimizersContainer],
 ) -> OptimizersContainer:
     name = optimizer_config.name
+    check_combination(name, lowbit, optimizer_config.early_step_in_backward, model_parts)
     if name in TORCH_OPTIMIZERS and lowbit.weight_update == "nearest":
         return base_builder(model_parts, optimizer_config, parallel_dims, ft_manager)
     check_optimizer_name(name)
@@ -191,14 +226,6 @@ def wrap_build_optimizers(base_builder, config_of: Callable[[list[nn.Module]], o
             base_builder=base_builder,
         )
         logger.info(describe(optimizers, optimizer_config.name, lowbit, job_config.model.converters))
-        if lowbit.weight_update != "nearest" and not any(
-            p.dtype == torch.bfloat16 for p in _params(model_parts)
-        ):
-            logger.warning(
-                f"titan_lowbit: [lowbit] weight_update = {lowbit.weight_update!r} has no "
-                "effect: all parameters are fp32 and are updated exactly. Set [lowbit] "
-                'weight_dtype = "bfloat16" for full-BF16 training.'
-            )
         return optimizers
 
     build_optimizers.titan_lowbit_wrapped = True

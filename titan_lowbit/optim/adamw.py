@@ -28,7 +28,7 @@ from titan_lowbit.kernels.adamw_lowbit import (
     FusedAdamW,
 )
 from titan_lowbit.kernels.adamw_lowbit_ref import adamw_step_reference
-from titan_lowbit.kernels.quant_maps import tensor_key
+from titan_lowbit.kernels.quant_maps import is_block_size, tensor_key
 
 from .formats import SMALL_TENSOR_FORMAT, STATE_FORMATS, StateFormat
 
@@ -187,7 +187,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         if group["weight_update"] not in WEIGHT_UPDATES:
             raise ValueError(f"{where}: weight_update={group['weight_update']!r}; choose one of {list(WEIGHT_UPDATES)}")
         bs = group["block_size"]
-        if not isinstance(bs, int) or bs < 0 or (bs and (bs < 2 or bs & (bs - 1))):
+        if not is_block_size(bs):
             raise ValueError(f"{where}: block_size={bs!r}; use 0 (the format's default) or a power of two >= 2")
         if not isinstance(group["min_quantized_numel"], int) or group["min_quantized_numel"] < 0:
             raise ValueError(f"{where}: min_quantized_numel={group['min_quantized_numel']!r}; use an int >= 0")
