@@ -10,16 +10,22 @@
   checkpoints to resume from instead.
 - A new ``step-N`` is written beside the old one and moved into place only once it is
   complete.
+- A checkpoint that is fine but cannot resume this run as it is (model-only, another
+  data-parallel degree, Adam* against AdamW*, or a load error after the file checks
+  passed) stops the run naming the setting to change, and is never called damaged nor
+  to be moved or deleted.
 """
 
 import os
+import pickle
 import shutil
+import traceback
 from types import SimpleNamespace
 
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import SAVE_STEP, run_train, step_losses
+from conftest import SAVE_STEP, resume_folder, run_train, step_losses
 from titan_lowbit import checkpoint as ckpt
 
 LAST = SAVE_STEP + 2  # the fixture run saved at SAVE_STEP and at its last step, LAST
@@ -151,3 +157,119 @@ def test_new_step_folder_replaces_the_old_only_once_complete(tmp_path):
     assert ckpt.save_atomically(save, str(old)) == "saved"
     assert sorted(os.listdir(folder)) == ["step-8"]
     assert (old / ".metadata").read_text() == "new" and (old / "__0_0.distcp").read_text() == "new"
+
+
+NOT_DAMAGE = ("damaged", "delete", "Move ", "restore the files")
+
+
+def assert_mismatch_only(out: str) -> None:
+    """The run stopped on a configuration mismatch, without calling the checkpoint
+    damaged or advising to move or delete it."""
+    assert "does not match this run" in out, out[-3000:]
+    for text in NOT_DAMAGE:
+        assert text not in out, (text, out[-3000:])
+
+
+def keep_model_only(step_dir) -> None:
+    """Make ``step_dir`` what torchtitan's last save writes with last_save_model_only:
+    the model's entries and nothing else."""
+    meta = FileSystemReader(str(step_dir)).read_metadata()
+    model = {k for k in meta.state_dict_metadata
+             if k.split(".", 1)[0] not in ("optimizer", "lr_scheduler", "dataloader", "train_state")}
+    meta.state_dict_metadata = {k: v for k, v in meta.state_dict_metadata.items() if k in model}
+    meta.storage_data = {k: v for k, v in meta.storage_data.items() if k.fqn in model}
+    with open(step_dir / ".metadata", "wb") as f:
+        pickle.dump(meta, f)
+
+
+def test_model_only_checkpoint_stops_naming_the_full_checkpoints(two_process_checkpoint,
+                                                                 tmp_path):
+    fixture_dump, _, overrides = two_process_checkpoint
+    dump = dump_with(tmp_path, fixture_dump, keep_model_only)
+
+    proc = run_train(*overrides, "--job.dump_folder", str(dump), "--training.steps", str(LAST + 2),
+                     check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and not step_losses(out), out[-3000:]
+    assert_mismatch_only(out)
+    step_dir = dump / "checkpoint" / f"step-{LAST}"
+    for text in ("holds the model weights only", "last_save_model_only = true",
+                 f"--checkpoint.load_step N (those in {dump / 'checkpoint'}: steps [{SAVE_STEP}])",
+                 f"--checkpoint.initial_load_path {step_dir}"):
+        assert text in out, (text, out[-3000:])
+    assert "optimizer layout" not in out and "torch Adam/AdamW" not in out, out[-3000:]
+
+
+def test_resume_on_another_process_count_names_the_dataloader_fix(two_process_checkpoint,
+                                                                  tmp_path):
+    dump, _, overrides = two_process_checkpoint
+    resumed = resume_folder(tmp_path, dump / "checkpoint")
+    proc = run_train(*overrides, "--job.dump_folder", str(resumed),
+                     "--training.steps", str(SAVE_STEP + 1), nproc=1, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and not step_losses(out), out[-3000:]
+    assert_mismatch_only(out)
+    for text in ("data loader positions of 2 data-parallel ranks, this run has 1",
+                 "--checkpoint.exclude_from_loading dataloader"):
+        assert text in out, (text, out[-3000:])
+
+
+def test_adam_resuming_an_adamw_checkpoint_names_the_optimizer_name(two_process_checkpoint,
+                                                                    tmp_path):
+    dump, _, overrides = two_process_checkpoint  # written by AdamW4bit
+    resumed = resume_folder(tmp_path, dump / "checkpoint")
+    proc = run_train(*overrides, "--job.dump_folder", str(resumed), "--optimizer.name", "Adam4bit",
+                     "--training.steps", str(SAVE_STEP + 1), check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and not step_losses(out), out[-3000:]
+    assert_mismatch_only(out)
+    for text in ("decoupled_weight_decay=True", "decoupled_weight_decay=False",
+                 '[optimizer] name = "AdamW4bit" (--optimizer.name AdamW4bit)'):
+        assert text in out, (text, out[-3000:])
+
+
+def raised(fn) -> BaseException:
+    try:
+        fn()
+    except BaseException as err:  # noqa: BLE001
+        return err
+    raise AssertionError(f"{fn} raised nothing")
+
+
+def test_load_errors_after_the_checks_are_not_called_damage(tmp_path):
+    import torch
+
+    from titan_lowbit.optim import LowBitAdamW
+
+    folder = tmp_path / "checkpoint"
+    for step in (2, 3):
+        (folder / f"step-{step}").mkdir(parents=True)
+        (folder / f"step-{step}" / ".metadata").write_bytes(b"")
+    checkpoint_id = str(folder / "step-3")
+
+    # LowBitAdamW's own load check (an Adam* optimizer given an AdamW* state dict).
+    saved = LowBitAdamW([torch.nn.Parameter(torch.zeros(8))]).state_dict()
+    adam = LowBitAdamW([torch.nn.Parameter(torch.zeros(8))], decoupled_weight_decay=False)
+    err = ckpt.load_failure(checkpoint_id, raised(lambda: adam.load_state_dict(saved)))
+    assert isinstance(err, ckpt.CheckpointMismatch), err
+    assert "[optimizer] name" in str(err) and "AdamW*" in str(err), err
+
+    # torchtitan's data loader assertion, also as DCP wraps a rank's error.
+    dp = AssertionError("dp_degree is inconsistent before and after checkpoint, dataloader "
+                        "resharding is not supported yet.")
+    wrapped = ckpt.CheckpointException("load failed", {1: (dp, traceback.StackSummary())})
+    for failure in (dp, wrapped):
+        err = ckpt.load_failure(checkpoint_id, failure)
+        assert isinstance(err, ckpt.CheckpointMismatch), err
+        assert "--checkpoint.exclude_from_loading dataloader" in str(err), err
+
+    # Anything else: the files passed the checks, so no damage is claimed and the other
+    # checkpoint is offered by --checkpoint.load_step.
+    err = ckpt.load_failure(checkpoint_id, RuntimeError("something else"))
+    assert isinstance(err, ckpt.CheckpointNotLoaded), err
+    assert "something else" in str(err) and "--checkpoint.load_step N (steps [2]" in str(err)
+    err_size = ckpt.load_failure(checkpoint_id, RuntimeError("something else"), crc=False)
+    assert f"{ckpt.VERIFY_ENV}=size" in str(err_size), err_size
+    for message in (str(err), str(err_size)):
+        for text in NOT_DAMAGE:
+            assert text not in message, (text, message)

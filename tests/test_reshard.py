@@ -53,7 +53,7 @@ def test_checkpoint_reshards_exactly_and_training_continues(two_process_checkpoi
 @pytest.mark.parametrize("override,expect", [
     (("--optimizer.name", "AdamW8bit"), ["state_format='4bit'", "state_format='8bit'"]),
     (("--lowbit.block_size", "64"), ["block_size=0", "block_size=64"]),
-    (("--lowbit.weight_dtype", "auto"), ["torch.bfloat16", "torch.float32"]),
+    (("--lowbit.weight_dtype", "auto", "--lowbit.weight_update", "nearest"), ["torch.bfloat16", "torch.float32"]),
 ])
 def test_resume_with_another_configuration_stops_naming_both(two_process_checkpoint, override,
                                                                expect, tmp_path):

@@ -16,8 +16,17 @@ Loading. Before torchtitan's ``CheckpointManager.dcp_load`` reads anything:
   bare "Size mismatch", an 8-bit one loaded by an FP8 run (codes of the same shape) would
   be *cast* silently into garbage state, and bf16 weights into fp32 ones (or back) are
   cast silently too. An optimizer entry the run needs and the checkpoint lacks stops it,
-  by name;
-- an error from DCP's own load is re-raised with the step folder and the same advice.
+  by name. So do a model-only checkpoint (torchtitan's last save with ``[checkpoint]
+  last_save_model_only = true``: no optimizer, schedule, data loader or step to resume),
+  an Adam* run resuming an AdamW* checkpoint (or back), and a data-parallel degree other
+  than the checkpoint's (torchtitan cannot reshard the data loader's positions:
+  ``--checkpoint.exclude_from_loading dataloader``). These raise
+  :class:`CheckpointMismatch` naming the setting to change; they never advise moving or
+  deleting the checkpoint, which is fine for the configuration that wrote it;
+- an error from DCP's own load (after the checks above passed) is re-raised with the step
+  folder: as a :class:`CheckpointMismatch` naming the setting where it is recognized (the
+  data loader's dp degree, LowBitAdamW's own load checks, model shapes or names), else as
+  :class:`CheckpointNotLoaded`. Neither is labelled damage: the files passed the checks.
 
 Saving. DCP writes the data files first and ``.metadata`` last (to a temporary name,
 then renamed), and torchtitan resumes only from ``step-N`` folders that hold a
@@ -37,6 +46,7 @@ import os
 import re
 import shutil
 import time
+import traceback
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -46,6 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titan_lowbit.optimizer_builder import is_lowbit
@@ -53,51 +64,184 @@ from titan_lowbit.optimizer_builder import is_lowbit
 STEP_DIR = re.compile(r"step-(\d+)")  # torchtitan's own pattern (re.search)
 VERIFY_ENV = "TITAN_LOWBIT_VERIFY_CHECKPOINT"
 LAYOUT_KEYS = ("state_format", "block_size", "weight_update", "min_quantized_numel")
+# Set by the [optimizer] name (AdamW* decouples weight decay, Adam* adds it to the gradient);
+# compared for torch's Adam/AdamW too, whose load_state_dict would silently keep the saved one.
+NAME_KEYS = ("decoupled_weight_decay",)
 TORCH_LAYOUT = {"optimizer": "torch Adam/AdamW (fp32 or parameter-dtype moments)"}
+FORMAT_SUFFIX = {"8bit": "8bit", "4bit": "4bit", "fp8": "Fp8", "fp32": ""}  # of the names
+DATALOADER_RANK = re.compile(r"dataloader\.dp_rank_(\d+)")
+LOWBIT_OPTION = {"state_format": "[optimizer] name", "decoupled_weight_decay": "[optimizer] name",
+                 "block_size": "[lowbit] block_size", "weight_update": "[lowbit] weight_update",
+                 "min_quantized_numel": "[lowbit] min_quantized_numel"}
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint that is fine but was written with another configuration than this
+    run's; the message names the setting to change. Never a reason to remove it."""
+
+
+class CheckpointNotLoaded(RuntimeError):
+    """DCP could not load a checkpoint whose files passed the checks, for a reason not
+    recognized as a configuration mismatch; the message says what to try."""
 
 
 def current_layout(optimizers) -> dict[str, Any]:
     first = next(iter(optimizers))
-    if not is_lowbit(first):  # torch's Adam/AdamW
-        return dict(TORCH_LAYOUT)
     group = first.param_groups[0]
-    return {"optimizer": "titan_lowbit", **{k: group[k] for k in LAYOUT_KEYS}}
+    if not is_lowbit(first):  # torch's Adam/AdamW
+        return {**TORCH_LAYOUT, **{k: group.get(k) for k in NAME_KEYS}}
+    return {"optimizer": "titan_lowbit", **{k: group[k] for k in LAYOUT_KEYS + NAME_KEYS}}
 
 
-def saved_layout(checkpoint_id: str, metadata) -> dict[str, Any]:
+def saved_layout(checkpoint_id: str, metadata) -> dict[str, Any] | None:
+    """The optimizer layout the checkpoint was written with (as :func:`current_layout`),
+    or None when it holds no optimizer entries at all (e.g. a model-only checkpoint)."""
     keys = metadata.state_dict_metadata
-    formats = sorted(k for k in keys
-                     if k.startswith("optimizer.param_groups.") and k.endswith(".state_format"))
-    if not formats:
-        return dict(TORCH_LAYOUT)
-    prefix = formats[0][: -len("state_format")]
-    values: dict[str, Any] = {prefix + k: None for k in LAYOUT_KEYS if prefix + k in keys}
-    dcp.load(values, checkpoint_id=checkpoint_id)
-    return {"optimizer": "titan_lowbit", **{k: values.get(prefix + k) for k in LAYOUT_KEYS}}
+    if not any(k.startswith("optimizer.") for k in keys):
+        return None
+
+    def first_group_with(name: str) -> str | None:
+        found = sorted(k for k in keys
+                       if k.startswith("optimizer.param_groups.") and k.endswith("." + name))
+        return found[0][: -len(name)] if found else None
+
+    lowbit = first_group_with("state_format") is not None
+    prefix = first_group_with("state_format") or first_group_with(NAME_KEYS[0])
+    wanted = LAYOUT_KEYS + NAME_KEYS if lowbit else NAME_KEYS
+    values: dict[str, Any] = {prefix + k: None for k in wanted
+                              if prefix is not None and prefix + k in keys}
+    if values:
+        dcp.load(values, checkpoint_id=checkpoint_id)
+    base = {"optimizer": "titan_lowbit"} if lowbit else dict(TORCH_LAYOUT)
+    return {**base, **{k: values.get(f"{prefix}{k}") for k in wanted}}
 
 
 def _describe(layout: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in layout.items())
 
 
+def optimizer_name(layout: dict[str, Any]) -> str:
+    """The [optimizer] name that builds an optimizer of ``layout``."""
+    decoupled = layout.get("decoupled_weight_decay")
+    base = {True: "AdamW", False: "Adam"}.get(decoupled, "AdamW or Adam")
+    if layout["optimizer"] != "titan_lowbit":
+        return base
+    suffix = FORMAT_SUFFIX.get(layout.get("state_format"))
+    if suffix is None or decoupled is None:
+        return f"the one of state_format={layout.get('state_format')!r}"
+    return base if not suffix else base + suffix
+
+
+def _settings(layout: dict[str, Any]) -> dict[str, Any]:
+    """The [optimizer] / [lowbit] settings that give ``layout`` ({'[section] key': value})."""
+    if layout["optimizer"] != "titan_lowbit":  # torch's: built only with weight_update nearest
+        return {"[optimizer] name": optimizer_name(layout), "[lowbit] weight_update": "nearest"}
+    return {"[optimizer] name": optimizer_name(layout),
+            **{f"[lowbit] {k}": layout[k] for k in ("block_size", "weight_update",
+                                                      "min_quantized_numel")}}
+
+
+def _as_setting(option: str, value: Any) -> str:
+    section, key = option[1:].split("] ")
+    shown = f'"{value}"' if isinstance(value, str) else value
+    return f"{option} = {shown} (--{section}.{key} {value})"
+
+
+def _layout_problem(saved: dict[str, Any], have: dict[str, Any]) -> str:
+    want, now = _settings(saved), _settings(have)
+    changed = [option for option, value in want.items() if now.get(option) != value]
+    text = f"optimizer layout: checkpoint {_describe(saved)}; this run {_describe(have)}. "
+    if saved.get("decoupled_weight_decay") != have.get("decoupled_weight_decay"):
+        text += ("decoupled_weight_decay is set by [optimizer] name: AdamW* names decouple weight "
+                 "decay, Adam* names add it to the gradient. ")
+    return text + (
+        "Resume with the settings the checkpoint was written with: "
+        + "; ".join(_as_setting(option, want[option]) for option in changed)
+        + ". Or start the optimizer state afresh with --checkpoint.exclude_from_loading optimizer "
+        "(the model, schedule and step still resume), or train into a new job.dump_folder."
+    )
+
+
+def full_steps(folder: str, names: list[str], but: str = "") -> list[int]:
+    """Steps of the complete ``step-N`` folders in ``folder`` (other than ``but``) whose
+    checkpoint holds entries for every top-level state in ``names``."""
+    steps = []
+    for step in complete_steps(folder):
+        path = os.path.join(folder, f"step-{step}")
+        if but and os.path.normpath(path) == os.path.normpath(but):
+            continue
+        try:
+            keys = FileSystemReader(path).read_metadata().state_dict_metadata
+        except Exception:  # noqa: BLE001  (an unreadable one is no candidate)
+            continue
+        if {k.split(".", 1)[0] for k in keys} >= set(names):
+            steps.append(step)
+    return steps
+
+
+def _absent_problem(checkpoint_id: str, stateful: list[str], absent: list[str]) -> str:
+    folder = os.path.dirname(os.path.normpath(checkpoint_id))
+    others = full_steps(folder, stateful, but=checkpoint_id)
+    where = (f"Resume from a checkpoint that holds them with --checkpoint.load_step N (those in "
+             f"{folder}: steps {others})" if others else
+             f"There is no checkpoint in {folder} that holds them")
+    if absent == stateful:
+        return (
+            f"the checkpoint holds the model weights only (no {', '.join(stateful)} state), so "
+            "training cannot resume from it: torchtitan writes its last checkpoint model-only "
+            "when [checkpoint] last_save_model_only = true (its default). " + where + "; or "
+            "start a new run from these weights in a new --job.dump_folder with "
+            f"--checkpoint.initial_load_path {checkpoint_id} (model only: the optimizer, "
+            "schedule and step start afresh). To make the last checkpoint resumable, set "
+            "[checkpoint] last_save_model_only = false (--checkpoint.no_last_save_model_only)."
+        )
+    return (
+        f"the checkpoint holds no {', '.join(absent)} state. " + where + "; or start "
+        f"{'it' if len(absent) == 1 else 'them'} afresh with [checkpoint] exclude_from_loading "
+        f"= {absent!r} (--checkpoint.exclude_from_loading {','.join(absent)})."
+    )
+
+
+def _dataloader_problem(saved: int, now: int) -> str:
+    return (
+        f"dataloader: the checkpoint holds the data loader positions of {saved} data-parallel "
+        f"ranks, this run has {now} (torchtitan cannot reshard a data loader). To resume on "
+        "another number of processes (another data-parallel degree), add --checkpoint."
+        'exclude_from_loading dataloader ([checkpoint] exclude_from_loading = ["dataloader"], '
+        "with any other states you exclude): the model, optimizer, schedule and step resume, "
+        "and the data loader starts again from the beginning of its data, split over the new "
+        f"ranks. Or resume on {saved} data-parallel ranks to restore the data loader too."
+    )
+
+
 def check_compatible(state_dict: dict[str, Any], checkpoint_id: str, metadata=None) -> None:
-    """Raise ValueError when the checkpoint at ``checkpoint_id`` was written with another
-    optimizer layout or other parameter dtypes than ``state_dict`` (the run's states)."""
+    """Raise CheckpointMismatch when the checkpoint at ``checkpoint_id`` cannot resume
+    ``state_dict`` (the run's states) as it is: another optimizer layout, other parameter
+    dtypes, another data-parallel degree, or states the run loads and it lacks."""
     if metadata is None:
         metadata = FileSystemReader(checkpoint_id).read_metadata()
-    problems = []
+    keys = metadata.state_dict_metadata
+    saved_prefixes = {k.split(".", 1)[0] for k in keys}
+    stateful = [k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
+    absent = [k for k in stateful if k not in saved_prefixes]
+    problems = [_absent_problem(checkpoint_id, stateful, absent)] if absent else []
+    loader = state_dict.get("dataloader")
+    saved_ranks = {int(m.group(1)) for k in keys if (m := DATALOADER_RANK.fullmatch(k))}
+    now_ranks = getattr(loader, "dp_world_size", None)
+    if saved_ranks and isinstance(now_ranks, int) and len(saved_ranks) != now_ranks:
+        problems.append(_dataloader_problem(len(saved_ranks), now_ranks))
     optimizers = state_dict.get("optimizer")
-    if optimizers is not None:
+    if optimizers is not None and "optimizer" not in absent:
         have, saved = current_layout(optimizers), saved_layout(checkpoint_id, metadata)
-        if have != saved:
-            problems.append(
-                f"optimizer layout: checkpoint {_describe(saved)}; this run {_describe(have)}. "
-                "Resume with the [optimizer] name and [lowbit] block_size, weight_update and "
-                "min_quantized_numel the checkpoint was written with, or train into a new "
-                "job.dump_folder."
-            )
+        if saved is not None:
+            for key in NAME_KEYS:  # not recorded (an older torch): cannot be compared
+                if saved.get(key) is None:
+                    saved.pop(key, None)
+                    have.pop(key, None)
+            if have != saved:
+                problems.append(_layout_problem(saved, have))
     for key, value in state_dict.items():
-        saved_meta = metadata.state_dict_metadata.get(key)
+        saved_meta = keys.get(key)
         if isinstance(value, torch.Tensor) and isinstance(saved_meta, TensorStorageMetadata):
             if saved_meta.properties.dtype != value.dtype:
                 problems.append(
@@ -108,7 +252,7 @@ def check_compatible(state_dict: dict[str, Any], checkpoint_id: str, metadata=No
                 break  # one parameter says it; the rest would repeat it
     if optimizers is not None and not problems:
         wanted = {f"optimizer.{key}" for key in optimizers.state_dict()}
-        missing = sorted(wanted - set(metadata.state_dict_metadata))
+        missing = sorted(wanted - set(keys))
         if missing:
             problems.append(
                 f"{len(missing)} optimizer entries are missing from the checkpoint, e.g. "
@@ -117,9 +261,94 @@ def check_compatible(state_dict: dict[str, Any], checkpoint_id: str, metadata=No
                 '["optimizer"] to start the optimizer afresh.'
             )
     if problems:
-        raise ValueError(
+        raise CheckpointMismatch(
             f"checkpoint {checkpoint_id} does not match this run:\n  " + "\n  ".join(problems)
         )
+
+
+def _root_causes(err: BaseException) -> list[tuple[BaseException, list]]:
+    """(exception, its stack frames) of what went wrong, looking inside DCP's
+    CheckpointException (one per failed rank)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return [(exc, list(trace or [])) for exc, trace in failures.values()]
+    return [(err, traceback.extract_tb(err.__traceback__))]
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [repr(err)])[0]
+
+
+def _from_lowbit_load(frames) -> bool:
+    optim_dir = os.path.join("titan_lowbit", "optim", "")
+    return any(optim_dir in frame.filename and frame.name in (
+        "load_state_dict", "_check_loadable", "_load", "_check_loaded_state", "_check_group")
+        for frame in frames)
+
+
+def _optimizer_load_problem(cause: str) -> str:
+    option = "[optimizer] name and [lowbit] block_size, weight_update and min_quantized_numel"
+    m = re.search(r"saved with (\w+)=(.*?), this optimizer was built with \1=", cause)
+    if m and m.group(1) in LOWBIT_OPTION:
+        option = LOWBIT_OPTION[m.group(1)]
+        if m.group(1) == "decoupled_weight_decay":
+            decoupled = m.group(2) == "True"
+            option += (f" (the checkpoint's optimizer was an {'AdamW' if decoupled else 'Adam'}* "
+                       "one: AdamW* names decouple weight decay, Adam* names add it to the "
+                       "gradient)")
+    return (f"optimizer state: LowBitAdamW refused it: {cause}\n  Set {option} as when the "
+            "checkpoint was written, or start the optimizer state afresh with "
+            "--checkpoint.exclude_from_loading optimizer.")
+
+
+def load_failure(checkpoint_id: str, err: BaseException, crc: bool = True) -> BaseException:
+    """What to raise when DCP's load of a checkpoint whose files passed :func:`verify` and
+    :func:`check_compatible` failed with ``err``: a CheckpointMismatch naming the setting
+    where the cause is recognized, else a CheckpointNotLoaded. Never CheckpointDamaged."""
+    problems = []
+    for exc, frames in _root_causes(err):
+        cause = _first_line(exc)
+        if "dp_degree is inconsistent" in cause or cause.startswith(
+                "Missing key in checkpoint state_dict: dataloader."):
+            problem = (f"dataloader: {cause}\n  The checkpoint was written with another "
+                       "data-parallel degree; torchtitan cannot reshard a data loader. To "
+                       "resume on another number of processes add --checkpoint."
+                       'exclude_from_loading dataloader ([checkpoint] exclude_from_loading = '
+                       '["dataloader"]): the model, optimizer, schedule and step resume, and '
+                       "the data loader starts again from the beginning of its data. Or "
+                       "resume with the data-parallel degree it was written with.")
+        elif isinstance(exc, ValueError) and _from_lowbit_load(frames):
+            problem = _optimizer_load_problem(cause)
+        elif re.match(r"(Size mismatch|Missing key in checkpoint state_dict|Unexpected key)",
+                      cause):
+            problem = (f"{cause}\n  The run's model or optimizer differs from the one that "
+                       "wrote the checkpoint: resume with the [model] name, flavor and "
+                       "converters, [optimizer] name and [lowbit] settings it was written with.")
+        else:
+            continue
+        if problem not in problems:
+            problems.append(problem)
+    if problems:
+        return CheckpointMismatch(
+            f"checkpoint {checkpoint_id} does not match this run:\n  " + "\n  ".join(problems))
+    folder = os.path.dirname(os.path.normpath(checkpoint_id))
+    others = [s for s in complete_steps(folder)
+              if os.path.normpath(os.path.join(folder, f"step-{s}"))
+              != os.path.normpath(checkpoint_id)]
+    checked = ("Its files passed the size and CRC-32 checks, so this is most likely a "
+               "configuration that differs from the one that wrote it" if crc else
+               f"Its files were checked for size only ({VERIFY_ENV}=size): run without that "
+               "setting to check the tensor data's CRC-32 too; otherwise this is most likely a "
+               "configuration that differs from the one that wrote it")
+    return CheckpointNotLoaded(
+        f"checkpoint {checkpoint_id} could not be loaded into this run:\n  "
+        f"{_first_line(_root_causes(err)[0][0])}\n{checked} ([model] name, flavor and "
+        "converters, [parallelism], [optimizer], [lowbit], [checkpoint] exclude_from_loading): "
+        "resume with that configuration, or train with this one into a new --job.dump_folder. "
+        + (f"If the configuration is the one that wrote it, resume from another checkpoint "
+           f"with --checkpoint.load_step N (steps {others} in {folder})." if others else
+           "The checkpoint is left as it is.")
+    )
 
 
 class CheckpointDamaged(RuntimeError):
@@ -313,11 +542,9 @@ def register() -> None:
         check_compatible(state_dict, checkpoint_id, metadata)
         try:
             return original_load(self, state_dict, checkpoint_id, from_hf, from_quantized)
-        except Exception as err:
-            cause = (str(err).strip().splitlines() or [repr(err)])[0]
-            raise CheckpointDamaged(
-                checkpoint_id, [cause], "could not be loaded (written by another model or "
-                "configuration? then resume with that one; otherwise it is damaged)") from err
+        except (Exception, CheckpointException) as err:  # CheckpointException: BaseException
+            crc = os.environ.get(VERIFY_ENV, "crc").lower() != "size"
+            raise load_failure(checkpoint_id, err, crc) from err
 
     def dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False,
                  to_hf=False):
