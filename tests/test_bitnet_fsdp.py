@@ -194,6 +194,13 @@ def _scenarios(rank):
             return calls, (out - fresh).abs().max().item() / fresh.abs().max().item()
 
         sum_checks["state_dict"] = forward_after(lambda: sharded.state_dict())
+
+        def copy_from_weights():  # a read (one rank alone may do it): not a write
+            with torch.no_grad():
+                for p in sharded.parameters():
+                    torch.empty_like(p._local_tensor._data).copy_(p._local_tensor)
+
+        sum_checks["read"] = forward_after(copy_from_weights)
         sum_checks["param"] = forward_after(double_params)
 
         def double_through_state_dict():  # DCP's in-place load writes into these aliases
@@ -313,14 +320,15 @@ def test_weights_written_after_the_hook_are_packed_anew(results):
 
 def test_precomputed_sums_of_written_weights_are_all_reduced_again(results):
     pre, nopre = results["pre"]["sum_checks"], results["nopre"]["sum_checks"]
-    # A state dict taken writes nothing: the precomputed sums stay in use.
-    assert pre["state_dict"][0] == 0
+    # A state dict taken, or a copy from the weights, writes nothing: the precomputed sums
+    # stay in use (the fallback is a collective; one rank alone may take or read them).
+    assert pre["state_dict"][0] == 0 and pre["read"][0] == 0
     # An in-place write through the parameters, a load_state_dict, a write into a
     # state-dict alias, or an optimizer step with no hook after it: each forward
     # all-gather all-reduces its layer's sum, as without precompute.
     for kind in ("param", "load", "alias", "step"):
         assert pre[kind][0] == len(LAYERS) == nopre[kind][0], kind
-    for kind in ("state_dict", "param", "load", "alias", "step"):
+    for kind in ("state_dict", "read", "param", "load", "alias", "step"):
         # Against the unsharded model written the same way (relative to the output; the
         # runs differ in the last ulps, see above), or for "step" against the sharded
         # model with fresh sums. A stale sum misses by a factor (by the step's change).

@@ -222,14 +222,15 @@ class BitNetTrainingWeight(_RoutesLinear):
         weight, as for a plain parameter. torch's own setter would swap the wrapper's
         storage, which holds nothing, and leave the latent weight as it was."""
         new = value._data if isinstance(value, BitNetTrainingWeight) else value
-        if not isinstance(new, torch.Tensor) or (new.shape, new.dtype, new.device) != (
-                self.shape, self.dtype, self.device):
+        if not isinstance(new, torch.Tensor) or (new.shape, new.stride(), new.dtype, new.device) != (
+                self.shape, self.stride(), self.dtype, self.device):
             raise ValueError(
                 f"BitNet: weight.data = {type(value).__name__} of "
                 f"{getattr(value, 'shape', None)}, {getattr(value, 'dtype', None)}, "
                 f"{getattr(value, 'device', None)}; a BitNet weight takes only a tensor of its "
-                f"own shape, dtype and device ({tuple(self.shape)}, {self.dtype}, {self.device}). "
-                "Convert it first (.to), or copy it in with weight.copy_(t)."
+                f"own shape, strides, dtype and device ({tuple(self.shape)}, {self.stride()}, "
+                f"{self.dtype}, {self.device}). Convert it first (.to, .contiguous), or copy it "
+                "in with weight.copy_(t)."
             )
         _new_generation()
         self._precomputed_abs_sum = None
@@ -276,11 +277,10 @@ class BitNetTrainingWeight(_RoutesLinear):
         int8_backward = next(a._int8_backward for a in tree_flatten((args, kwargs))[0]
                              if isinstance(a, BitNetTrainingWeight))
         if func._schema.is_mutable:
-            # the weight's values may change: its ternary codes and precomputed sum are stale
+            # the weight's values may change: its ternary codes are stale (kept codes and
+            # packed shards are recomputed locally: any mutable op may start a generation)
             _new_generation()
-            for a in tree_flatten((args, kwargs))[0]:
-                if isinstance(a, BitNetTrainingWeight):
-                    a._precomputed_abs_sum = None
+            _drop_sums_of_written(func, args, kwargs)
         if func in _SAME_LATENT and type(args[0]) is BitNetTrainingWeight:
             # A new wrapper over the same latent tensor. Run here, below autograd, detach
             # would make a latent alias with a version counter of its own, so the
@@ -600,6 +600,20 @@ def refresh_ternary_codes(params: Iterable[torch.Tensor]) -> int:
         torch.autograd.graph.increment_version(
             [t for k in kept for t in (k.codes, k.codes_t, k.scale)])
     return len(stale)
+
+
+def _drop_sums_of_written(func, args, kwargs) -> None:
+    """Drop the precomputed sums of the BitNet weights ``func`` writes (its arguments
+    marked written in the schema: the destination of a copy_, not its source). The
+    dropped sum is all-reduced again, a collective, so only writes count, which every
+    rank makes together; a read of the weights (a copy from them on one rank) must not."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, BitNetTrainingWeight):
+                t._precomputed_abs_sum = None
 
 
 @torch.compiler.disable
