@@ -79,6 +79,10 @@ def _gloo_worker(rank: int, world: int, port: int, scenarios, out_path: str) -> 
         results = scenarios(rank)
         if rank == 0:
             torch.save(results, out_path)
+        # Every rank's collectives are done before any rank tears its process group down
+        # (a rank destroying gloo's group while a peer's last work is still in flight can
+        # abort that peer at exit: "terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -185,7 +185,11 @@ class LowBitOptimizersContainer(OptimizersContainer):
                 return
             for opt in self.optimizers:
                 opt.grads_checked = True
-        super().step(*args, **kwargs)
+        try:
+            super().step(*args, **kwargs)
+        finally:  # an optimizer that raised before its step left its flag set
+            for opt in self.optimizers:
+                opt.grads_checked = False
 
 
 def describe(optimizers: OptimizersContainer, optimizer_name: str, lowbit: LowBit, converters) -> str:
