@@ -162,14 +162,14 @@ def _layout_problem(saved: dict[str, Any], have: dict[str, Any]) -> str:
     )
 
 
-def full_steps(folder: str, names: list[str], but: str = "") -> list[int]:
-    """Steps of the complete ``step-N`` folders in ``folder`` (other than ``but``) whose
-    checkpoint holds entries for every top-level state in ``names``."""
+def full_steps(checkpoint_id: str, names: list[str]) -> list[int]:
+    """The other complete checkpoints beside ``checkpoint_id`` (:func:`other_steps`) that
+    hold entries for every top-level state in ``names``."""
+    folder, others = other_steps(checkpoint_id)
+    paths = step_folders(folder)
     steps = []
-    for step in complete_steps(folder):
-        path = os.path.join(folder, f"step-{step}")
-        if but and os.path.normpath(path) == os.path.normpath(but):
-            continue
+    for step in others:
+        path = paths[step]
         try:
             keys = FileSystemReader(path).read_metadata().state_dict_metadata
         except Exception:  # noqa: BLE001  (an unreadable one is no candidate)
@@ -181,7 +181,7 @@ def full_steps(folder: str, names: list[str], but: str = "") -> list[int]:
 
 def _absent_problem(checkpoint_id: str, stateful: list[str], absent: list[str]) -> str:
     folder = os.path.dirname(os.path.normpath(checkpoint_id))
-    others = full_steps(folder, stateful, but=checkpoint_id)
+    others = full_steps(checkpoint_id, stateful)
     where = (f"Resume from a checkpoint that holds them with --checkpoint.load_step N (those in "
              f"{folder}: steps {others})" if others else
              f"There is no checkpoint in {folder} that holds them")
@@ -331,10 +331,7 @@ def load_failure(checkpoint_id: str, err: BaseException, crc: bool = True) -> Ba
     if problems:
         return CheckpointMismatch(
             f"checkpoint {checkpoint_id} does not match this run:\n  " + "\n  ".join(problems))
-    folder = os.path.dirname(os.path.normpath(checkpoint_id))
-    others = [s for s in complete_steps(folder)
-              if os.path.normpath(os.path.join(folder, f"step-{s}"))
-              != os.path.normpath(checkpoint_id)]
+    folder, others = other_steps(checkpoint_id)
     checked = ("Its files passed the size and CRC-32 checks, so this is most likely a "
                "configuration that differs from the one that wrote it" if crc else
                f"Its files were checked for size only ({VERIFY_ENV}=size): run without that "
@@ -356,9 +353,7 @@ class CheckpointDamaged(RuntimeError):
 
     def __init__(self, checkpoint_id: str, problems: list[str],
                  header: str = "is damaged or incomplete and was not loaded"):
-        folder, name = os.path.split(os.path.normpath(checkpoint_id))
-        step = STEP_DIR.search(name)
-        others = [s for s in complete_steps(folder) if not step or s != int(step.group(1))]
+        folder, others = other_steps(checkpoint_id)
         if others:
             advice = (f"Move {checkpoint_id} out of {folder} (or delete it) to resume from the "
                       f"latest other complete checkpoint there (steps {others}), or choose "
@@ -383,6 +378,14 @@ def complete_steps(folder: str) -> list[int]:
     """Steps of the ``step-N`` folders in ``folder`` that hold a DCP ``.metadata``."""
     return sorted(step for step, path in step_folders(folder).items()
                   if os.path.isfile(os.path.join(path, ".metadata")))
+
+
+def other_steps(checkpoint_id: str) -> tuple[str, list[int]]:
+    """(the folder of ``checkpoint_id``, the steps of the complete checkpoints in it other
+    than ``checkpoint_id`` itself): where to fall back to or resume from instead."""
+    folder, name = os.path.split(os.path.normpath(checkpoint_id))
+    step = STEP_DIR.search(name)
+    return folder, [s for s in complete_steps(folder) if not step or s != int(step.group(1))]
 
 
 def read_metadata(checkpoint_id: str):

@@ -99,7 +99,8 @@ def check_combination(name: str, lowbit: LowBit, early_step_in_backward: bool,
             raise ValueError(
                 f"[lowbit] {', '.join(ignored)} set, but [optimizer] name = {name!r} is torch's "
                 f"{name}, which has no such option. Remove {'them' if len(ignored) > 1 else 'it'}, or "
-                f"choose a titan_lowbit optimizer ({', '.join(sorted(OPTIMIZERS_NAMES()))})."
+                f"choose a titan_lowbit optimizer "
+                f"({', '.join(n for n in valid_optimizer_names() if n not in TORCH_OPTIMIZERS)})."
             )
     if early_step_in_backward and lowbit.nonfinite_grad == "skip" and name not in TORCH_OPTIMIZERS:
         raise ValueError(
@@ -107,12 +108,6 @@ def check_combination(name: str, lowbit: LowBit, early_step_in_backward: bool,
             "early_step_in_backward each parameter steps on its own as its gradient arrives: the "
             "others would still step. Use nonfinite_grad = 'raise', or turn early_step_in_backward off."
         )
-
-
-def OPTIMIZERS_NAMES() -> list[str]:
-    from titan_lowbit.optim import OPTIMIZERS
-
-    return list(OPTIMIZERS)
 
 
 def build_lowbit_optimizers(

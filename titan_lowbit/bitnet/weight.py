@@ -57,9 +57,10 @@ aten = torch.ops.aten
 
 # Ops whose result is (a view or copy of) the same weight and must keep the subclass:
 # FSDP2 sharding (split, new_zeros, slice, copy_, view, as_strided), module.to_empty
-# (empty_like), nn.Parameter (detach), clone/_to_copy (device moves, state dict copies).
+# (empty_like), clone/_to_copy (device moves, state dict copies). (detach and alias,
+# e.g. nn.Parameter's: _SAME_LATENT.)
 _KEEP_TRAINING_SUBCLASS = {
-    aten.detach.default, aten.alias.default, aten.view.default, aten._unsafe_view.default,
+    aten.view.default, aten._unsafe_view.default,
     aten.as_strided.default, aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default,
     aten.new_zeros.default, aten.new_empty.default, aten.new_empty_strided.default,
     aten.empty_like.default, aten.clone.default, aten._to_copy.default, aten.copy_.default,
@@ -281,7 +282,7 @@ class BitNetTrainingWeight(_RoutesLinear):
             # packed shards are recomputed locally: any mutable op may start a generation)
             _new_generation()
             _drop_sums_of_written(func, args, kwargs)
-        if func in _SAME_LATENT and type(args[0]) is BitNetTrainingWeight:
+        if func in _SAME_LATENT:
             # A new wrapper over the same latent tensor. Run here, below autograd, detach
             # would make a latent alias with a version counter of its own, so the
             # plain-tensor aliases of state dicts (nn.Module.state_dict detaches) would
@@ -631,6 +632,6 @@ def refresh_ternary_codes_hook(module: nn.Module, args) -> None:
     if [w._data._version for w in weights] != module.__dict__.get("_bitnet_kept_versions"):
         _new_generation()
     if getattr(module, "_bitnet_codes_generation", None) != _generation:
-        refresh_ternary_codes(module.parameters())
+        refresh_ternary_codes(weights)
         module._bitnet_codes_generation = _generation
         module._bitnet_kept_versions = [w._data._version for w in weights]
