@@ -50,6 +50,9 @@ def main(checkpoint_dir: str, step: int, argv: list[str]) -> None:
         print(f"RESHARD OK {checked} tensors on {dist.get_world_size()} processes", flush=True)
     dist.barrier()
     trainer.close()
+    # As torchtitan's own entry point does: a process group left to the interpreter's
+    # exit can abort the process there.
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
