@@ -321,6 +321,26 @@ def _grads(*params):
         p.grad = torch.randn_like(p)
 
 
+@pytest.mark.parametrize("state_format, default", [("8bit", 256), ("4bit", 128), ("fp8", 128)])
+def test_block_size_zero_and_the_formats_default_load_into_each_other(state_format, default):
+    """0 means the format's default block: the same state, so neither is refused."""
+    for saved, built in ((0, default), (default, 0)):
+        a, b, src = _two_groups(torch.bfloat16, state_format=state_format, block_size=saved)
+        _grads(a, b)
+        src.step()
+        sd = copy.deepcopy(src.state_dict())
+        a2, b2 = a.detach().clone(), b.detach().clone()
+        opt = LowBitAdamW([{"params": [("a", a2)]}, {"params": [("b", b2)], "lr": 5e-3}],
+                          state_format=state_format, block_size=built, min_quantized_numel=0)
+        opt.load_state_dict(sd)
+        grads = [torch.randn_like(a), torch.randn_like(b)]
+        for p, g in zip((a, b, a2, b2), grads * 2):
+            p.grad = g.clone()
+        src.step()
+        opt.step()
+        assert torch.equal(a, a2) and torch.equal(b, b2)
+
+
 @pytest.mark.parametrize("saved,built", [
     ({"state_format": "8bit"}, {"state_format": "4bit"}),
     ({"state_format": "fp32"}, {"state_format": "bf16"}),

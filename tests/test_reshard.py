@@ -75,6 +75,18 @@ def test_resume_with_another_configuration_stops_naming_both(two_process_checkpo
         assert text in out, out[-3000:]
 
 
+def test_block_size_zero_and_the_formats_default_resume_into_each_other(two_process_checkpoint,
+                                                                       tmp_path):
+    # Written with block_size 0, i.e. 4-bit's default block of 128: the same state, so a
+    # resume that names 128 continues exactly where the run itself went on.
+    dump, losses, overrides = two_process_checkpoint
+    resumed_dump = resume_folder(tmp_path, dump / "checkpoint")
+    proc = run_train(*overrides, "--job.dump_folder", str(resumed_dump), "--lowbit.block_size",
+                     "128", "--checkpoint.interval", "1000", "--training.steps", str(SAVE_STEP + 2))
+    resumed = step_losses(proc.stdout)
+    assert resumed == {s: losses[s] for s in (SAVE_STEP + 1, SAVE_STEP + 2)}, (resumed, losses)
+
+
 def test_checkpoint_missing_optimizer_entries_stops_naming_them(two_process_checkpoint, tmp_path):
     import pickle
     import shutil

@@ -59,6 +59,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from titan_lowbit.optim.formats import STATE_FORMATS, block_of
 from titan_lowbit.optimizer_builder import is_lowbit
 
 STEP_DIR = re.compile(r"step-(\d+)")  # torchtitan's own pattern (re.search)
@@ -114,6 +115,13 @@ def saved_layout(checkpoint_id: str, metadata) -> dict[str, Any] | None:
         dcp.load(values, checkpoint_id=checkpoint_id)
     base = {"optimizer": "titan_lowbit"} if lowbit else dict(TORCH_LAYOUT)
     return {**base, **{k: values.get(f"{prefix}{k}") for k in wanted}}
+
+
+def _acting(layout: dict[str, Any]) -> dict[str, Any]:
+    """``layout`` as it acts on the state: block_size 0 is its format's default block."""
+    if layout.get("state_format") in STATE_FORMATS and isinstance(layout.get("block_size"), int):
+        return {**layout, "block_size": block_of(layout["state_format"], layout["block_size"])}
+    return layout
 
 
 def _describe(layout: dict[str, Any]) -> str:
@@ -238,7 +246,7 @@ def check_compatible(state_dict: dict[str, Any], checkpoint_id: str, metadata=No
                 if saved.get(key) is None:
                     saved.pop(key, None)
                     have.pop(key, None)
-            if have != saved:
+            if _acting(have) != _acting(saved):
                 problems.append(_layout_problem(saved, have))
     for key, value in state_dict.items():
         saved_meta = keys.get(key)

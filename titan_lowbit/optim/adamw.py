@@ -30,7 +30,7 @@ from titan_lowbit.kernels.adamw_lowbit import (
 from titan_lowbit.kernels.adamw_lowbit_ref import adamw_step_reference
 from titan_lowbit.kernels.quant_maps import is_block_size, tensor_key
 
-from .formats import SMALL_TENSOR_FORMAT, STATE_FORMATS, StateFormat
+from .formats import SMALL_TENSOR_FORMAT, STATE_FORMATS, StateFormat, block_of
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,13 @@ NONFINITE_POLICIES = ("raise", "skip", "ignore")
 # configuration cached in the step plan. The hyperparameters (lr, betas, eps, weight_decay)
 # may change at any time (LR schedulers do) and are restored from a loaded state dict.
 FIXED_OPTIONS = ("state_format", "block_size", "weight_update", "min_quantized_numel", "decoupled_weight_decay")
+
+
+def _fixed_value(group: dict[str, Any], key: str) -> Any:
+    """A FIXED_OPTIONS value as it acts on the math: block_size 0 is the format's default."""
+    if key == "block_size" and group.get("state_format") in STATE_FORMATS:
+        return block_of(group["state_format"], group[key])
+    return group[key]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -336,7 +343,7 @@ class LowBitAdamW(torch.optim.Optimizer):
                                  "LowBitAdamW (torch.optim.AdamW's?). Load a LowBitAdamW state dict, or start "
                                  "the optimizer state afresh (load the model weights only)")
             for k in FIXED_OPTIONS:
-                if s[k] != g[k]:
+                if _fixed_value(s, k) != _fixed_value(g, k):
                     raise ValueError(
                         f"{self._group_desc(gi)}: the state dict was saved with {k}={s[k]!r}, this optimizer "
                         f"was built with {k}={g[k]!r} (torch would silently go on with the saved one). Build "
@@ -351,6 +358,10 @@ class LowBitAdamW(torch.optim.Optimizer):
     def _load(self, state_dict: dict[str, Any]) -> None:
         saved_state = state_dict["state"]
         super().load_state_dict({**state_dict, "state": {}})
+        for group, fixed in zip(self.param_groups, self._fixed):
+            # The saved FIXED_OPTIONS act as the built ones (checked), but may be spelled
+            # otherwise (block_size 0 for the default): keep the built spelling.
+            group.update(zip(FIXED_OPTIONS, fixed))
         self._master_pending = set(self._master_pending)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]

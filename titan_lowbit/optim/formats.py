@@ -86,6 +86,12 @@ STATE_FORMATS: dict[str, StateFormat] = {
     )
 }
 
+def block_of(state_format: str, block_size: int) -> int:
+    """The quantization block a group's ``block_size`` gives: 0 means the format's default,
+    so 0 and the default write the same state and resume into each other."""
+    return block_size or STATE_FORMATS[state_format].default_block
+
+
 # Tensors smaller than the group's ``min_quantized_numel`` keep this format (as bitsandbytes
 # and torchao do: the scales would cost more than they save, and norms/biases are sensitive).
 SMALL_TENSOR_FORMAT = STATE_FORMATS["fp32"]
