@@ -570,3 +570,32 @@ def test_container_checks_every_model_part_before_stepping_any(policy):
     opts.step()
     assert not any(torch.equal(a, p) for a, p in zip(before, (p for m in parts for p in m.parameters())))
     assert not any(o.grads_checked for o in opts.optimizers)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_optimizer_steps_like_the_original(how):
+    """torch's Optimizer pickles only defaults, state and param_groups; ours keeps its
+    parameter names, fixed options and the master weights still to be taken."""
+    import pickle
+
+    model = torch.nn.ParameterDict({"a": torch.randn(48, 80).bfloat16(), "b": torch.randn(32, 64).bfloat16()})
+    opt = LowBitAdamW(list(model.named_parameters()), state_format="4bit", weight_update="master",
+                      min_quantized_numel=0, seed=7)
+    # Before the first step (masters pending), then after one.
+    for _ in range(2):
+        pair = (model, opt)
+        model2, opt2 = copy.deepcopy(pair) if how == "deepcopy" else pickle.loads(pickle.dumps(pair))
+        assert set(vars(opt2)) == set(vars(opt)) and opt2._master_pending == {
+            dict(model2.named_parameters())[k] for k, p in model.named_parameters() if p in opt._master_pending}
+        for p, p2 in zip(model.parameters(), model2.parameters()):
+            p.grad = torch.randn_like(p)
+            p2.grad = p.grad.clone()
+        opt.step()
+        opt2.step()
+        for p, p2 in zip(model.parameters(), model2.parameters()):
+            assert torch.equal(p, p2)
+        for p, p2 in zip(model.parameters(), model2.parameters()):
+            assert all(torch.equal(opt.state[p][k], opt2.state[p2][k]) for k in opt.state[p])
+    model2.a.grad = torch.full_like(model2.a, float("nan"))
+    with pytest.raises(Exception, match="'a'"):
+        opt2.step()

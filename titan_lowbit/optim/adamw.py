@@ -131,6 +131,23 @@ class LowBitAdamW(torch.optim.Optimizer):
                         block_size=block_size, min_quantized_numel=min_quantized_numel)
         super().__init__(params, defaults)
 
+    # Rebuilt by the next step from the state; a copy or pickle leaves them behind.
+    _CACHES = {"_plans": dict, "_step_plan": lambda: None, "_steps_buf": lambda: None}
+
+    def __getstate__(self) -> dict[str, Any]:
+        """All of this optimizer but its launch caches, so a ``copy.deepcopy`` or a pickle
+        steps like the original. torch's Optimizer keeps only defaults, state and
+        param_groups: a copy would lose the parameter names, the options fixed when each
+        group was added and the master weights still to be taken."""
+        own = {k: v for k, v in self.__dict__.items()
+               if k not in self._CACHES and not k.startswith("_optimizer_")}  # torch's hooks
+        return {**own, **super().__getstate__()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for name, make in self._CACHES.items():
+            setattr(self, name, make())
+
     # ------------------------------------------------------------------------------------
     # groups, validation, state
     # ------------------------------------------------------------------------------------
