@@ -84,9 +84,11 @@ _TERNARY_VIEWS = {aten.detach.default, aten.alias.default, aten.view.default, at
 # weight, which is what load_state_dict does (torchtitan's checkpoint load runs it after
 # DCP's in-place load). Not by a state_dict() taken: a dropped sum falls back to the
 # per-layer all-reduce, a collective, which must not depend on what one rank alone may
-# do. The FSDP2 all-gather also checks the latent tensor's version counter (a write into
-# a state-dict alias); the tensor-parallel forward cannot: torch.compile traces it, and
-# compares of counters there would recompile at every step, so it reads the attribute.
+# do. A write into a state-dict alias (DCP's in-place load) bypasses __torch_dispatch__
+# but bumps the latent tensor's version counter: the FSDP2 all-gather compares it; the
+# tensor-parallel forward cannot (torch.compile traces it, and compares of counters there
+# would recompile at every step), so a forward pre-hook that is never traced does
+# (drop_stale_abs_sums, registered by enable_tensor_parallel).
 _generation = 0
 _step_hook = None
 # weights holding a precomputed sum, by id (dropped at the next optimizer step; not a
@@ -601,6 +603,14 @@ def refresh_ternary_codes(params: Iterable[torch.Tensor]) -> int:
         torch.autograd.graph.increment_version(
             [t for k in kept for t in (k.codes, k.codes_t, k.scale)])
     return len(stale)
+
+
+def drop_stale_abs_sums(weights) -> None:
+    """Drop the precomputed sums of ``weights`` whose latent tensor was written since the
+    sum was set (its version counter moved: a write into a state-dict alias)."""
+    for w in weights:
+        if w._precomputed_abs_sum is not None and w._abs_sum_version != w._data._version:
+            w._precomputed_abs_sum = None
 
 
 def _drop_sums_of_written(func, args, kwargs) -> None:
