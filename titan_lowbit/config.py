@@ -39,9 +39,10 @@ class LowBit:
 
     weight_update: WeightUpdate = "nearest"
     """How the fp32 AdamW result lands in a bf16 parameter: nearest (plain cast),
-    stochastic (stochastic rounding, seeded by training.seed, step and element), kahan
+    stochastic (stochastic rounding, seeded by debug.seed, step and element), kahan
     (bf16 compensation buffer), master (fp32 master weights in the optimizer state).
-    Ignored for fp32 parameters, which are updated exactly."""
+    fp32 parameters are updated exactly: a value other than nearest with every parameter
+    in fp32 is refused at start-up (set weight_dtype = "bfloat16")."""
 
     block_size: int = 0
     """Quantization block length along the last dimension; 0 = the format's default
@@ -66,11 +67,10 @@ class LowBit:
     """Unsharded BitNet weights (one device, no FSDP or TP) keep their ternary codes
     (and the codes transposed, for grad_input) from one optimizer step to the next,
     computed after the optimizer step, instead of quantizing each weight in every
-    forward: 462 fewer kernel launches per forward of the 1B model, 2 bytes per weight
-    element kept between steps (about 0.9 GiB more peak memory at 1B). Same formula; the
-    scale's sum |W| is added in another order. Faster where the step waits on the host
-    (1B on one H100: +3 to 4% at batch 4, +8% with a host sync every step), 1.3% slower
-    at batch 8 (docs/bitnet.md), hence off by default."""
+    forward: fewer kernel launches per forward, 2 bytes per weight element kept between
+    steps. Same formula; the scale's sum |W| is added in another order. Faster where the
+    step waits on the host, slower where it does not (measured in docs/bitnet.md, "Kept
+    ternary codes"), hence off by default."""
 
     bitnet_int8_backward: bool = True
     """Compute BitNet grad_input on int8 tensor cores (grad_output quantized row-wise);
