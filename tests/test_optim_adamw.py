@@ -262,6 +262,17 @@ def test_fused_path_matches_reference_path(fmt, update):
     path: on CUDA against the same optimizer on CPU; without a GPU the fused Triton path
     runs on CPU under TRITON_INTERPRET=1 and must equal the reference bit for bit, every
     state included."""
+    _fused_against_reference(fmt, update)
+
+
+@pytest.mark.parametrize("fmt, block", [("8bit", 64), ("4bit", 32), ("4bit", 256), ("fp8", 64)])
+def test_fused_path_matches_reference_path_with_other_blocks(fmt, block):
+    """The same with a block_size other than the format's default (more or fewer scales
+    per row, blocks that do or do not divide the ragged rows)."""
+    _fused_against_reference(fmt, "stochastic", block_size=block)
+
+
+def _fused_against_reference(fmt, update, block_size=0):
     cuda = torch.cuda.is_available()
     shapes = [(64, 256), (33, 300), (4096,), (2, 3, 1024), (17,), (128, 96), (256, 64)]
     if not cuda:  # the same kinds of tensor, smaller (the interpreter runs every program in Python)
@@ -272,7 +283,8 @@ def test_fused_path_matches_reference_path(fmt, update):
     for dtype in dtypes:
         cpu = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
         gpu = [torch.nn.Parameter(p.detach().clone().to("cuda" if cuda else "cpu")) for p in cpu]
-        kw = dict(lr=1e-2, weight_decay=0.1, state_format=fmt, weight_update=update, min_quantized_numel=1000)
+        kw = dict(lr=1e-2, weight_decay=0.1, state_format=fmt, weight_update=update, min_quantized_numel=1000,
+                  block_size=block_size)
         oc, og = LowBitAdamW(cpu, **kw), LowBitAdamW(gpu, **kw)
         if not cuda:
             og._use_fused = lambda t: True  # the Triton kernels, interpreted
@@ -283,6 +295,8 @@ def test_fused_path_matches_reference_path(fmt, update):
             oc.step()
             og.step()
         assert og._plans and not oc._plans  # each took the path it stands for
+        if block_size:  # the block asked for is the block used (first shape: 256 wide)
+            assert og.state[gpu[0]]["exp_avg_absmax"].shape[-1] == -(-256 // block_size)
         for pc, pg in zip(cpu, gpu):
             if not cuda:
                 assert torch.equal(pc.view(-1).view(torch.uint8), pg.view(-1).view(torch.uint8)), (dtype, pc.shape)
