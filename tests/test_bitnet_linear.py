@@ -180,6 +180,18 @@ def test_converter_refuses_what_it_would_get_wrong():
         convert_to_bitnet(model, "wq", int8_backward=False)
 
 
+@pytest.mark.parametrize("converters", [["bitnet", "quantize.linear.float8"],
+                                        ["quantize.linear.mx", "bitnet"]])
+def test_converter_refuses_another_linear_converter(converters):
+    # Float8Linear / MXLinear would read the BitNet weight as a plain latent tensor.
+    job = SimpleNamespace(lowbit=LowBit(), model=SimpleNamespace(converters=converters))
+    with pytest.raises(ValueError, match=r"'bitnet' and \['quantize\.linear\..*BitNet would silently not apply"):
+        CONVERTERS["bitnet"](job, SimpleNamespace(tp_enabled=False))
+    # MoE grouped-mm converters touch no nn.Linear.
+    job.model.converters = ["quantize.grouped_mm.float8", "bitnet"]
+    CONVERTERS["bitnet"](job, SimpleNamespace(tp_enabled=False))
+
+
 def test_a_replaced_weight_is_refused_not_trained_as_a_plain_linear():
     lin = nn.Linear(32, 32)
     convert_to_bitnet(nn.Sequential(lin), [])

@@ -147,10 +147,25 @@ def convert_to_bitnet(model: nn.Module, filter_fqns=DEFAULT_FILTER,
     return converted
 
 
+# torchtitan's converters that swap nn.Linear modules for low-precision ones
+# (quantize.linear.float8, quantize.linear.mx); quantize.grouped_mm.* touch MoE experts only.
+LINEAR_CONVERTER_PREFIX = "quantize.linear."
+
+
 class BitNetConverter:
     """``[model] converters = ["bitnet"]``: BitNet b1.58 linear layers (arXiv 2402.17764)."""
 
     def __init__(self, job_config, parallel_dims):
+        names = list(getattr(getattr(job_config, "model", None), "converters", None) or [])
+        clash = [n for n in names if n.startswith(LINEAR_CONVERTER_PREFIX)]
+        if clash:
+            raise ValueError(
+                f"[model] converters = {names}: 'bitnet' and {clash} both replace the math of "
+                "the nn.Linear layers (ternary weights x int8 activations against low-precision "
+                "floats). In a layer both convert, the low-precision linear computes with its own "
+                "kernels and reads the BitNet weight as a plain latent tensor: BitNet would "
+                "silently not apply. Use one of them."
+            )
         self.filter_fqns = list(_lowbit_option(job_config, "bitnet_filter", list(DEFAULT_FILTER)))
         self.precompute_scale = bool(_lowbit_option(job_config, "bitnet_precompute_scale", True))
         self.int8_backward = bool(_lowbit_option(job_config, "bitnet_int8_backward", True))
