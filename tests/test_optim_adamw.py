@@ -653,3 +653,19 @@ def test_a_copied_optimizer_steps_like_the_original(how):
     model2.a.grad = torch.full_like(model2.a, float("nan"))
     with pytest.raises(FloatingPointError, match="non-finite gradient .* in param 'a'"):
         opt2.step()
+
+
+def test_load_state_dict_refuses_a_parameter_without_state():
+    """A LowBitAdamW state dict holds every parameter's state; one missing would restart
+    that parameter from zero moments while the others resume."""
+    a, b, src = _two_groups(torch.bfloat16, weight_update="master")
+    _grads(a, b)
+    src.step()
+    sd = copy.deepcopy(src.state_dict())
+    del sd["state"][1]  # b's
+    opt = LowBitAdamW([{"params": [("a", a)]}, {"params": [("b", b)], "lr": 5e-3}],
+                      weight_update="master", min_quantized_numel=0)
+    before = _snapshot(opt)
+    with pytest.raises(ValueError, match="param 'b': the state dict holds no optimizer state for it"):
+        opt.load_state_dict(sd)
+    _assert_same(before, _snapshot(opt))

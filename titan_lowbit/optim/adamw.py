@@ -394,9 +394,12 @@ class LowBitAdamW(torch.optim.Optimizer):
 
     def _check_loaded_state(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         state = self.state[p]
-        if not state:
-            self._init_states([p], group)
-            return
+        if not state:  # LowBitAdamW saves every parameter's state (made at construction)
+            raise ValueError(
+                f"param '{self._name(p)}': the state dict holds no optimizer state for it, so it "
+                "would restart from zero moments (and its master weight from the bf16 value) while "
+                "the others resume: the state dict is incomplete or not this optimizer's. Load a "
+                "complete one, or start the optimizer state afresh")
         fmt, block = self._format(p, group)
         expect = {k: (gshape, dtype) for k, (_, dtype, gshape) in self._state_specs(p, group).items()}
         got = {k: (tuple(v.shape), v.dtype) for k, v in state.items() if k != "step"}
