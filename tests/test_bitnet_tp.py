@@ -167,6 +167,32 @@ def _scenarios(rank):
         res.setdefault("tp_layers", enable_tensor_parallel(model, mesh["tp"]))
         run(f"fsdp_tp_{'pre' if precompute else 'nopre'}", model, conv, data_parallel=True)
 
+    # Built on the meta device and materialized after enable_tensor_parallel, as torchtitan
+    # does (to_empty gives every parameter a new local tensor): a write through a
+    # state-dict alias after the sums were precomputed is still seen.
+    from torch.distributed.tensor import distribute_tensor
+    conv = _CountingConverter(True)
+    ref = _FeedForward()
+    conv.convert(ref)
+    with torch.device("meta"):
+        meta_model = _FeedForward()
+    conv.convert(meta_model)
+    parallelize_module(meta_model, mesh["tp"], plan)
+    enable_tensor_parallel(meta_model, mesh["tp"])
+    meta_model.to_empty(device="cpu")
+    with torch.no_grad():
+        for (name, p), pr in zip(meta_model.named_parameters(), ref.parameters()):
+            p.to_local().copy_(distribute_tensor(pr.detach(), mesh["tp"], p.placements).to_local())
+    conv.post_optimizer_hook([meta_model])
+    aliases = meta_model.state_dict()
+    with torch.no_grad():
+        for name, pr in ref.named_parameters():
+            if name.endswith("weight"):
+                aliases[name].to_local().mul_(3)
+                pr.mul_(3)
+    x = torch.cat(batches[0])
+    res["meta_init_written_alias"] = _rel(full(meta_model(x)).detach(), ref(x).detach())
+
     # FSDP x TP without enable_tensor_parallel: the scale would miss the TP sum; refused.
     model = _FeedForward()
     convert_to_bitnet(model, [])
@@ -209,6 +235,10 @@ def test_sharded_bitnet_equals_unsharded(results, tag):
     # through the parameters and through a state-dict alias
     assert r["written"] < TOL, r["written"]
     assert r["written_alias"] < TOL, r["written_alias"]
+
+
+def test_tp_sees_an_alias_write_after_meta_device_init(results):
+    assert results["meta_init_written_alias"] < TOL, results["meta_init_written_alias"]
 
 
 def test_fsdp_x_tp_gathers_ternary_codes(results):

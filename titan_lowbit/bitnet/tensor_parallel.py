@@ -61,7 +61,7 @@ def enable_tensor_parallel(model: nn.Module, tp_mesh) -> list[str]:
     tp_name = (tp_mesh.mesh_dim_names or (None,))[0]
     if tp_mesh.ndim != 1 or tp_name is None:
         raise ValueError(f"BitNet: the TP mesh must be 1-D and named, got {tp_mesh}")
-    done, weights = [], []
+    done, layers = [], []
     for name, mod in model.named_modules():
         weight = getattr(mod, "weight", None)
         if not isinstance(weight, torch.Tensor) or local_training_weight(weight) is None:
@@ -77,8 +77,8 @@ def enable_tensor_parallel(model: nn.Module, tp_mesh) -> list[str]:
             )
         mod.bitnet_tp_group = tp_mesh.get_group()
         done.append(name)
-        weights.append(local_training_weight(weight))
-    model._bitnet_tp_weights = weights
+        layers.append(mod)
+    model._bitnet_tp_layers = layers
     if done and not getattr(model, "_bitnet_drops_stale_sums", False):
         model.register_forward_pre_hook(_drop_stale_sums_hook)
         model._bitnet_drops_stale_sums = True
@@ -91,8 +91,10 @@ def _drop_stale_sums_hook(model: nn.Module, args) -> None:
     precomputed sum |W| as it is (it is traced, see weight.py); drop here, before it, the
     sums of weights written through a state-dict alias since, e.g. by DCP's in-place load
     without a load_state_dict after it. All ranks load together, so all fall back to the
-    layer's own all-reduce together. One compare per weight."""
-    drop_stale_abs_sums(model._bitnet_tp_weights)
+    layer's own all-reduce together. One compare per weight. The weights are looked up
+    here, not kept: ``model.to_empty`` (torchtitan's meta-device init, after this was
+    enabled) gives every parameter a new local tensor."""
+    drop_stale_abs_sums(local_training_weight(layer.weight) for layer in model._bitnet_tp_layers)
 
 
 def _weight_codes(module: nn.Module, weight: DTensor, group,

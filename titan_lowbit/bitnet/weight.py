@@ -609,7 +609,8 @@ def drop_stale_abs_sums(weights) -> None:
     """Drop the precomputed sums of ``weights`` whose latent tensor was written since the
     sum was set (its version counter moved: a write into a state-dict alias)."""
     for w in weights:
-        if w._precomputed_abs_sum is not None and w._abs_sum_version != w._data._version:
+        if w is not None and w._precomputed_abs_sum is not None \
+                and w._abs_sum_version != w._data._version:
             w._precomputed_abs_sum = None
 
 
