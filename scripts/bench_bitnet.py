@@ -528,10 +528,11 @@ def allgather_bytes(flavor: str, filter_fqns=("output",)) -> dict:
     """Per-step FSDP2 all-gather payload (all ranks' shards together) for a llama3 flavor.
 
     Uses each weight's real fsdp_pre_all_gather on meta tensors (BitNet weights) and the
-    bf16 mixed-precision cast (every other parameter). With every block and the root
-    wrapped by fully_shard, a step gathers the blocks twice (forward, and backward after
-    reshard_after_forward) and the root's parameters (embeddings, final norm, output)
-    once, since FSDP2 keeps the root unsharded between forward and backward.
+    bf16 mixed-precision cast (every other parameter). Wrapped as torchtitan 0.2.x's
+    apply_fsdp does with the default fsdp_reshard_after_forward and no pipelining:
+    tok_embeddings and every block are their own fully_shard units with
+    reshard_after_forward=True, so a step gathers them twice (forward, and again for the
+    backward); [norm, output] is one unit with reshard_after_forward=False, gathered once.
     """
     import titan_lowbit  # noqa: F401  (registers the 1B flavor)
     from torchtitan.models.llama3 import llama3_args
@@ -546,7 +547,7 @@ def allgather_bytes(flavor: str, filter_fqns=("output",)) -> dict:
 
     with torch.device("meta"):
         model = Transformer(llama3_args[flavor])
-    gathers = {n: 2 if n.startswith("layers.") else 1 for n, _ in model.named_parameters()}
+    gathers = {n: 2 if n.startswith(("layers.", "tok_embeddings.")) else 1 for n, _ in model.named_parameters()}
     bf16 = sum(2 * p.numel() * gathers[n] for n, p in model.named_parameters())
     convert_to_bitnet(model, list(filter_fqns))
     conv = conv_bitnet = bf16_bitnet = 0
@@ -590,8 +591,12 @@ def _gloo_worker(rank, port, flavor, converted, out_path):
         convert_to_bitnet(model, ["output"])
     mesh = init_device_mesh("cpu", (2,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # torchtitan 0.2.x's apply_fsdp (default reshard policy, no PP), without its
+    # disable_fsdp_gradient_division (PREMUL_SUM, which gloo lacks; reduce-scatter only).
+    fully_shard(model.tok_embeddings, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
     for block in model.layers.values():
-        fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    fully_shard([model.norm, model.output], mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
     orig, sent = getattr(dist, name), []
