@@ -221,7 +221,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         fmt = STATE_FORMATS[group["state_format"]]
         if fmt.quantized and (p.numel() < group["min_quantized_numel"] or p.dim() == 0):
             fmt = SMALL_TENSOR_FORMAT
-        return fmt, group["block_size"] or fmt.default_block
+        return fmt, block_of(fmt.name, group["block_size"])
 
     def _check_param(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         name = self._name(p)

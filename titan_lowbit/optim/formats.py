@@ -86,6 +86,7 @@ STATE_FORMATS: dict[str, StateFormat] = {
     )
 }
 
+
 def block_of(state_format: str, block_size: int) -> int:
     """The quantization block a group's ``block_size`` gives: 0 means the format's default,
     so 0 and the default write the same state and resume into each other."""
