@@ -133,8 +133,9 @@ def _gloo_worker(rank: int, world: int, port: int, scenarios, out_path: str) -> 
         # abort that peer at exit), and rank 0 writes the results only once every rank
         # has finished its scenarios.
         dist.barrier()
-        if rank == 0:
-            torch.save(results, out_path)
+        if rank == 0:  # whole or not at all: an abort elsewhere may end this process mid-write
+            torch.save(results, out_path + ".tmp")
+            os.replace(out_path + ".tmp", out_path)
     finally:
         dist.destroy_process_group()
 
