@@ -247,6 +247,13 @@ class BitNetTrainingWeight(_RoutesLinear):
         self._abs_sum_version = self._data._version
         _weights_with_sums[id(self)] = self
 
+    def current_abs_sum(self) -> torch.Tensor | None:
+        """The precomputed sum |W|, or None: dropped here if the latent tensor was written
+        since it was set (its version counter moved: a write into a state-dict alias)."""
+        if self._precomputed_abs_sum is not None and self._abs_sum_version != self._data._version:
+            self._precomputed_abs_sum = None
+        return self._precomputed_abs_sum
+
     def ternary_codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(codes, codes^T, scale) of the weight's current values, or None where they were
         not computed in the current generation (module comment on _generation)."""
@@ -326,8 +333,8 @@ class BitNetTrainingWeight(_RoutesLinear):
         numel = module.in_features * module.out_features if isinstance(module, nn.Linear) \
             else outer_size.numel()
         # (and not written since through a state-dict alias, e.g. by DCP's in-place load:
-        # the version counter, which only this eager path can check)
-        abs_sum = self._precomputed_abs_sum if self._abs_sum_version == self._data._version else None
+        # current_abs_sum compares the version counter, here in eager code)
+        abs_sum = self.current_abs_sum()
         if abs_sum is None:
             abs_sum = weight_abs_sum(self._data)
             if world > 1:
@@ -609,9 +616,8 @@ def drop_stale_abs_sums(weights) -> None:
     """Drop the precomputed sums of ``weights`` whose latent tensor was written since the
     sum was set (its version counter moved: a write into a state-dict alias)."""
     for w in weights:
-        if w is not None and w._precomputed_abs_sum is not None \
-                and w._abs_sum_version != w._data._version:
-            w._precomputed_abs_sum = None
+        if w is not None:
+            w.current_abs_sum()
 
 
 def _drop_sums_of_written(func, args, kwargs) -> None:
