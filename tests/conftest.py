@@ -49,6 +49,23 @@ def aborted_at_teardown(proc: subprocess.CompletedProcess, finished: str = TRAIN
             and _ROOT_CAUSE_SIGABRT.search(out) is not None)
 
 
+def run_once_more_after_teardown_abort(cmd: list[str], env: dict, timeout: int, nproc: int,
+                                       finished: str = TRAINING_FINISHED,
+                                       before_retry=None) -> subprocess.CompletedProcess:
+    """Run a torchrun command from the repository root; run it once more when it failed
+    only by a rank's abort in gloo's teardown after it printed ``finished``, first calling
+    ``before_retry()`` (to put back the files the first run found)."""
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if nproc > 1 and aborted_at_teardown(proc, finished):
+        warnings.warn(f"a gloo rank aborted at exit after the run finished; ran again: "
+                      f"{' '.join(cmd)}")
+        if before_retry is not None:
+            before_retry()
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    return proc
+
+
 def _dump_folder(overrides) -> Path | None:
     folder = None
     for flag, value in zip(overrides, overrides[1:]):
@@ -76,16 +93,17 @@ def run_train(*overrides: str, config: Path = DEBUG_CONFIG, nproc: int = 2, time
     cmd = ["bash", str(ROOT / "scripts" / "train.sh"), str(config),
            "--metrics.disable_color_printing", *overrides]
     dump = _dump_folder(overrides)
-    before = set(dump.rglob("*")) if dump is not None and dump.exists() else set()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    if nproc > 1 and dump is not None and aborted_at_teardown(proc):
-        warnings.warn(f"train.sh: a gloo rank aborted at exit after training; ran again "
-                      f"({' '.join(overrides)})")
-        if dump.exists():
-            _remove_new_paths(dump, before)
+    if dump is None:  # no folder to put back: a second run could resume the first's checkpoint
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=timeout)
+    else:
+        before = set(dump.rglob("*")) if dump.exists() else set()
+
+        def put_back() -> None:
+            if dump.exists():
+                _remove_new_paths(dump, before)
+
+        proc = run_once_more_after_teardown_abort(cmd, env, timeout, nproc, before_retry=put_back)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"train.sh failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from conftest import (DEBUG_CONFIG, ROOT, SAVE_STEP, aborted_at_teardown, resume_folder,
-                      run_train, step_losses)
+from conftest import (DEBUG_CONFIG, ROOT, SAVE_STEP, resume_folder,
+                      run_once_more_after_teardown_abort, run_train, step_losses)
 
 
 def reshard_check(nproc: int, *args: str) -> subprocess.CompletedProcess:
@@ -22,11 +22,7 @@ def reshard_check(nproc: int, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, TITAN_LOWBIT_DEVICE="cpu", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", str(ROOT / "tests" / "reshard_check.py"), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    if nproc > 1 and aborted_at_teardown(proc, finished="RESHARD OK"):
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=900)
-    return proc
+    return run_once_more_after_teardown_abort(cmd, env, 900, nproc, finished="RESHARD OK")
 
 
 @pytest.mark.parametrize("nproc", [1, 4])
