@@ -86,6 +86,9 @@ META_STRIDE = 16
 # fp32/bf16 states are bound by memory and like bigger ones.
 LAUNCH_QUANTIZED = (1024, 4)
 LAUNCH_PLAIN = (2048, 8)
+# Tiles one program steps, in order (quantized, plain formats); measured on an H100.
+TILES_QUANTIZED = 8
+TILES_PLAIN = 1
 
 
 def launch_shape(cfg: "AdamWConfig", elems_per_program: Optional[int] = None,
@@ -387,25 +390,6 @@ def _st(ptr, val, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _load_state(base, sbase, soff, tab, eptr_off, cptr_off, bidx, bmask, emask, cmask,
-                CODEC: tl.constexpr, QBLOCK: tl.constexpr, EVEN: tl.constexpr, HW_CAST: tl.constexpr):
-    """Load one moment of a tile as fp32 [NB, QBLOCK] (plain, or codes dequantized).
-
-    eptr_off: element offsets [NB, QBLOCK]; cptr_off: code-byte offsets (4-bit: [NB, QBLOCK/2]).
-    """
-    if CODEC == _K_CODEC_NONE:
-        return _ld(base + eptr_off, emask, EVEN).to(tl.float32)
-    else:
-        absmax = _ld(sbase + soff + bidx, bmask, EVEN)
-        if CODEC == _K_CODEC_DYN4_SIGNED or CODEC == _K_CODEC_LIN4_NOZERO:
-            packed = _ld(base + cptr_off, cmask, EVEN).to(tl.int32)
-            codes = tl.interleave(packed & 15, packed >> 4)
-        else:
-            codes = _ld(base + cptr_off, emask, EVEN)
-        return _decode(codes, absmax, tab, CODEC, HW_CAST)
-
-
-@triton.jit
 def _store_state(x, base, sbase, soff, tab, etab, eptr_off, cptr_off, bidx, bmask, emask, cmask,
                  CODEC: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, EVEN: tl.constexpr,
                  HW_CAST: tl.constexpr):
@@ -439,41 +423,26 @@ def _meta_offset(meta, COL: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _adamw_lowbit_kernel(
-    tiles_ptr, meta_ptr, grad_offsets_ptr, tables_ptr, enc_tables_ptr, lr_ptr,
-    p_base, g_base, m_base, v_base, ms_base, vs_base, x_base,
-    lr_value, inv_bc1, inv_sqrt_bc2, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, wd, skey,
-    M_CODEC: tl.constexpr, V_CODEC: tl.constexpr, UPDATE: tl.constexpr,
-    DECOUPLED: tl.constexpr, LR_IS_TENSOR: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
-    SR_DENSE: tl.constexpr, SR_IDX32: tl.constexpr, HW_CAST: tl.constexpr,
-    QBLOCK: tl.constexpr, NB: tl.constexpr,
-):
-    # Buffers are addressed as base pointer (a kernel argument, so the compiler knows its
-    # alignment) + per-tensor element offset from the metadata table (+ hint when ALIGNED):
-    # that is what lets Triton emit 16-byte vector loads for tensors it only sees through a
-    # table. EVEN launches hold only whole tiles of whole blocks: no masks at all.
-    pid = tl.program_id(0)
-    tile = tl.load(tiles_ptr + pid)
+def _tile_where(tiles_ptr, t, meta_ptr, QBLOCK: tl.constexpr, NB: tl.constexpr, CBLOCK: tl.constexpr,
+                EVEN: tl.constexpr, ALIGNED: tl.constexpr):
+    """Where tile ``t`` of the launch lies: its tensor's slot and metadata row, its first
+    block, the element and code-byte offsets [NB, QBLOCK] / [NB, CBLOCK] inside the tensor's
+    buffers, and the masks. EVEN launches hold rows of whole blocks: block b starts at
+    element b * QBLOCK (no division by the blocks per row, ~8 instructions per element)."""
+    tile = tl.load(tiles_ptr + t)
     slot = tile >> _K_TILE_BITS
-    q0 = (tile & _K_TILE_MASK) * NB
+    bidx = (tile & _K_TILE_MASK) * NB + tl.arange(0, NB)
     meta = meta_ptr + slot.to(tl.int64) * _K_META_STRIDE
-    cols = _meta_offset(meta, _K_META_COLS, ALIGNED)
-    code_row = _meta_offset(meta, _K_META_CODE_ROW, ALIGNED)
-    bpr = tl.load(meta + _K_META_BPR).to(tl.int32)
     nblocks = tl.load(meta + _K_META_NBLOCKS).to(tl.int32)
-
-    # block index -> (row, block in row); offsets of each block's first element and code byte.
-    # EVEN launches hold rows of whole blocks: block b starts at element b * QBLOCK (no
-    # division by the blocks per row, which costs ~8 instructions per element).
-    PACKED: tl.constexpr = M_CODEC == _K_CODEC_DYN4_SIGNED or M_CODEC == _K_CODEC_LIN4_NOZERO
-    CBLOCK: tl.constexpr = QBLOCK // 2 if PACKED else QBLOCK
-    bidx = q0 + tl.arange(0, NB)
     # Offsets inside one tensor are int32 (a launch's tensors have < 2**31 elements, checked
     # when the plan is built): half the registers and address arithmetic of int64.
     if EVEN:
         e_start = bidx * QBLOCK
         c_start = bidx * CBLOCK
     else:
+        cols = _meta_offset(meta, _K_META_COLS, ALIGNED)
+        code_row = _meta_offset(meta, _K_META_CODE_ROW, ALIGNED)
+        bpr = tl.load(meta + _K_META_BPR).to(tl.int32)
         row = bidx // bpr
         cb = bidx - row * bpr
         e_start = row * cols.to(tl.int32) + cb * QBLOCK
@@ -492,40 +461,71 @@ def _adamw_lowbit_kernel(
         col = cb[:, None] * QBLOCK + lane
         emask = bmask[:, None] & (col < cols)
         cmask = bmask[:, None] & ((cb[:, None] * CBLOCK + tl.arange(0, CBLOCK)[None, :]) < (cols + 1) // 2)
+    return slot, meta, bidx, e_start, eoff, coff, bmask, emask, cmask
 
-    if LR_IS_TENSOR:
-        lr = tl.load(lr_ptr).to(tl.float32)
+
+@triton.jit
+def _load_raw(base, sbase, meta, SCOL: tl.constexpr, eoff, coff, bidx, bmask, emask, cmask,
+              CODEC: tl.constexpr, EVEN: tl.constexpr, ALIGNED: tl.constexpr):
+    """One moment of a tile as stored: plain values [NB, QBLOCK], or codes (4-bit: packed
+    bytes [NB, QBLOCK/2]) and the blocks' absmax [NB] (plain: a placeholder)."""
+    if CODEC == _K_CODEC_NONE:
+        return _ld(base + eoff, emask, EVEN), bmask
     else:
-        lr = lr_value
-    step_size = lr * inv_bc1
-    decay = 1.0 - lr * wd
-    PARAM_BF16: tl.constexpr = p_base.dtype.element_ty == tl.bfloat16
+        absmax = _ld(sbase + tl.load(meta + SCOL) + bidx, bmask, EVEN)
+        if CODEC == _K_CODEC_DYN4_SIGNED or CODEC == _K_CODEC_LIN4_NOZERO:
+            codes = _ld(base + coff, cmask, EVEN)
+        else:
+            codes = _ld(base + eoff, emask, EVEN)
+        return codes, absmax
 
-    pptr = p_base + _meta_offset(meta, _K_META_PARAM, ALIGNED) + eoff
+
+@triton.jit
+def _dequantize(raw, absmax, tab, CODEC: tl.constexpr, HW_CAST: tl.constexpr):
+    """fp32 values [NB, QBLOCK] of a moment loaded by _load_raw."""
+    if CODEC == _K_CODEC_NONE:
+        return raw.to(tl.float32)
+    else:
+        if CODEC == _K_CODEC_DYN4_SIGNED or CODEC == _K_CODEC_LIN4_NOZERO:
+            packed = raw.to(tl.int32)
+            codes = tl.interleave(packed & 15, packed >> 4)
+        else:
+            codes = raw
+        return _decode(codes, absmax, tab, CODEC, HW_CAST)
+
+
+@triton.jit
+def _step_tile(tiles_ptr, t, meta_ptr, grad_offsets_ptr, tab_m, tab_v, etab_m, etab_v,
+               p_base, g_base, m_base, v_base, ms_base, vs_base, x_base,
+               step_size, decay, inv_sqrt_bc2, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, wd,
+               skey, M_CODEC: tl.constexpr, V_CODEC: tl.constexpr, UPDATE: tl.constexpr,
+               DECOUPLED: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
+               SR_DENSE: tl.constexpr, SR_IDX32: tl.constexpr, HW_CAST: tl.constexpr,
+               QBLOCK: tl.constexpr, NB: tl.constexpr, CBLOCK: tl.constexpr):
+    """The AdamW step of tile ``t``: load gradient, weight (with fp32 master weights only
+    the master: the bf16 copy is only written), extra state and both moments; dequantize,
+    update in fp32, re-quantize with each block's new absmax, write states and weight."""
+    slot, meta, bidx, e_start, eoff, coff, bmask, emask, cmask = _tile_where(
+        tiles_ptr, t, meta_ptr, QBLOCK, NB, CBLOCK, EVEN, ALIGNED)
+    PARAM_BF16: tl.constexpr = p_base.dtype.element_ty == tl.bfloat16
     g_off = tl.load(grad_offsets_ptr + slot)
     if ALIGNED:
         g_off = tl.multiple_of(g_off, 16)
     g = _ld(g_base + g_off + eoff, emask, EVEN).to(tl.float32)
-    p_stored = _ld(pptr, emask, EVEN).to(tl.float32)
+    pptr = p_base + _meta_offset(meta, _K_META_PARAM, ALIGNED) + eoff
     xptr = x_base + _meta_offset(meta, _K_META_EXTRA, ALIGNED) + eoff
-
-    if UPDATE == _K_UPDATE_MASTER and PARAM_BF16:
+    if PARAM_BF16 and UPDATE == _K_UPDATE_MASTER:
         p = _ld(xptr, emask, EVEN)
     else:
-        p = p_stored
-
-    tab_m = tables_ptr + M_CODEC * _K_TABLE_SIZE
-    tab_v = tables_ptr + V_CODEC * _K_TABLE_SIZE
-    etab_m = enc_tables_ptr + M_CODEC * _K_ENC_ROW
-    etab_v = enc_tables_ptr + V_CODEC * _K_ENC_ROW
-    m_off = _meta_offset(meta, _K_META_M, ALIGNED)
-    v_off = _meta_offset(meta, _K_META_V, ALIGNED)
-    ms_off = tl.load(meta + _K_META_MSCALE)
-    vs_off = tl.load(meta + _K_META_VSCALE)
-    m_base = m_base + m_off
-    v_base = v_base + v_off
-    m = _load_state(m_base, ms_base, ms_off, tab_m, eoff, coff, bidx, bmask, emask, cmask, M_CODEC, QBLOCK, EVEN, HW_CAST)
-    v = _load_state(v_base, vs_base, vs_off, tab_v, eoff, coff, bidx, bmask, emask, cmask, V_CODEC, QBLOCK, EVEN, HW_CAST)
+        p = _ld(pptr, emask, EVEN).to(tl.float32)
+    m_base = m_base + _meta_offset(meta, _K_META_M, ALIGNED)
+    v_base = v_base + _meta_offset(meta, _K_META_V, ALIGNED)
+    m_raw, m_abs = _load_raw(m_base, ms_base, meta, _K_META_MSCALE, eoff, coff, bidx, bmask, emask, cmask,
+                             M_CODEC, EVEN, ALIGNED)
+    v_raw, v_abs = _load_raw(v_base, vs_base, meta, _K_META_VSCALE, eoff, coff, bidx, bmask, emask, cmask,
+                             V_CODEC, EVEN, ALIGNED)
+    m = _dequantize(m_raw, m_abs, tab_m, M_CODEC, HW_CAST)
+    v = _dequantize(v_raw, v_abs, tab_v, V_CODEC, HW_CAST)
 
     # ---- AdamW, fp32 -------------------------------------------------------------------
     if not DECOUPLED:
@@ -539,8 +539,10 @@ def _adamw_lowbit_kernel(
     else:
         p_new = p - upd
 
-    _store_state(m, m_base, ms_base, ms_off, tab_m, etab_m, eoff, coff, bidx, bmask, emask, cmask, M_CODEC, NB, QBLOCK, EVEN, HW_CAST)
-    _store_state(v, v_base, vs_base, vs_off, tab_v, etab_v, eoff, coff, bidx, bmask, emask, cmask, V_CODEC, NB, QBLOCK, EVEN, HW_CAST)
+    _store_state(m, m_base, ms_base, tl.load(meta + _K_META_MSCALE), tab_m, etab_m, eoff, coff, bidx,
+                 bmask, emask, cmask, M_CODEC, NB, QBLOCK, EVEN, HW_CAST)
+    _store_state(v, v_base, vs_base, tl.load(meta + _K_META_VSCALE), tab_v, etab_v, eoff, coff, bidx,
+                 bmask, emask, cmask, V_CODEC, NB, QBLOCK, EVEN, HW_CAST)
 
     # ---- weight write ------------------------------------------------------------------
     if not PARAM_BF16:
@@ -556,22 +558,63 @@ def _adamw_lowbit_kernel(
         if SR_DENSE:
             g_start = sr_base + e_start.to(tl.int64)
         else:
+            bpr = tl.load(meta + _K_META_BPR).to(tl.int32)
             srow = bidx // bpr
             g_start = sr_base + srow.to(tl.int64) * tl.load(meta + _K_META_SR_ROW) + (bidx - srow * bpr) * QBLOCK
         if SR_IDX32:
             g_start = g_start.to(tl.uint32)
-        gidx = g_start[:, None] + lane.to(g_start.dtype)
+        gidx = g_start[:, None] + tl.arange(0, QBLOCK)[None, :].to(g_start.dtype)
         p_out = _bf16_stochastic(p_new, gidx, key, SR_IDX32)
         _st(pptr, p_out, emask, EVEN)
     elif UPDATE == _K_UPDATE_KAHAN:
-        c = _ld(xptr, emask, EVEN).to(tl.float32)
-        s = (p_new - p) + c
+        s = (p_new - p) + _ld(xptr, emask, EVEN).to(tl.float32)
         p_b = _bf16_rne(p + s, HW_CAST)
         _st(pptr, p_b, emask, EVEN)
         _st(xptr, _bf16_rne(s - (p_b.to(tl.float32) - p), HW_CAST), emask, EVEN)
     else:  # MASTER
         _st(xptr, p_new, emask, EVEN)
         _st(pptr, _bf16_rne(p_new, HW_CAST), emask, EVEN)
+
+
+@triton.jit
+def _adamw_lowbit_kernel(
+    tiles_ptr, meta_ptr, grad_offsets_ptr, tables_ptr, enc_tables_ptr, lr_ptr,
+    p_base, g_base, m_base, v_base, ms_base, vs_base, x_base, n_tiles, tiles,
+    lr_value, inv_bc1, inv_sqrt_bc2, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, wd, skey,
+    M_CODEC: tl.constexpr, V_CODEC: tl.constexpr, UPDATE: tl.constexpr,
+    DECOUPLED: tl.constexpr, LR_IS_TENSOR: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
+    SR_DENSE: tl.constexpr, SR_IDX32: tl.constexpr, HW_CAST: tl.constexpr,
+    QBLOCK: tl.constexpr, NB: tl.constexpr,
+):
+    # Program i steps the tiles [i * tiles, (i + 1) * tiles) of the tile table, in order:
+    # fewer, longer programs (measured 4-7% faster than one tile per program for the
+    # quantized formats with bf16 weights, docs/optimizer.md). Loading the next tile while
+    # computing this one was measured slower, and is not done.
+    # Buffers are addressed as base pointer (a kernel argument, so the compiler knows its
+    # alignment) + per-tensor element offset from the metadata table (+ hint when ALIGNED):
+    # that is what lets Triton emit 16-byte vector loads for tensors it only sees through a
+    # table. EVEN launches hold only whole tiles of whole blocks: no masks at all.
+    PACKED: tl.constexpr = M_CODEC == _K_CODEC_DYN4_SIGNED or M_CODEC == _K_CODEC_LIN4_NOZERO
+    CBLOCK: tl.constexpr = QBLOCK // 2 if PACKED else QBLOCK
+    t0 = tl.program_id(0) * tiles
+    t_end = tl.minimum(t0 + tiles, n_tiles)
+
+    if LR_IS_TENSOR:
+        lr = tl.load(lr_ptr).to(tl.float32)
+    else:
+        lr = lr_value
+    step_size = lr * inv_bc1
+    decay = 1.0 - lr * wd
+    tab_m = tables_ptr + M_CODEC * _K_TABLE_SIZE
+    tab_v = tables_ptr + V_CODEC * _K_TABLE_SIZE
+    etab_m = enc_tables_ptr + M_CODEC * _K_ENC_ROW
+    etab_v = enc_tables_ptr + V_CODEC * _K_ENC_ROW
+    for t in range(t0, t_end):
+        _step_tile(tiles_ptr, t, meta_ptr, grad_offsets_ptr, tab_m, tab_v, etab_m, etab_v,
+                   p_base, g_base, m_base, v_base, ms_base, vs_base, x_base,
+                   step_size, decay, inv_sqrt_bc2, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
+                   wd, skey, M_CODEC, V_CODEC, UPDATE, DECOUPLED, ALIGNED, EVEN, SR_DENSE, SR_IDX32,
+                   HW_CAST, QBLOCK, NB, CBLOCK)
 
 
 # ----------------------------------------------------------------------------------------
@@ -698,7 +741,8 @@ class FusedAdamW:
         self.sr_idx32 = all(t.sr_base + (t.rows - 1) * t.sr_row_stride + t.cols <= 2**32 for t in tensors)
         self.meta = meta.to(self.device)
         self.tiles = torch.cat(tiles).to(self.device)
-        self.n_programs = self.tiles.numel()
+        self.n_tiles = self.tiles.numel()
+        self.tiles_per_program = TILES_PLAIN if cfg.m_codec == CODEC_NONE else TILES_QUANTIZED
         self.tables = codec_tables(str(self.device))
         self.enc_tables = encode_tables(str(self.device))
         self._grad_ptrs: list[int] = []
@@ -762,14 +806,14 @@ class FusedAdamW:
         lr_is_tensor = isinstance(hyper.lr, torch.Tensor)
         lr_tensor = hyper.lr if lr_is_tensor else self.tables
         lr_value = 0.0 if lr_is_tensor else float(hyper.lr)
-        _adamw_lowbit_kernel[(self.n_programs,)](
+        tiles = self.tiles_per_program
+        _adamw_lowbit_kernel[(triton.cdiv(self.n_tiles, tiles),)](
             self.tiles, self.meta, self._grad_offsets, self.tables, self.enc_tables, lr_tensor,
-            self.bases[0], self._grad_base, *self.bases[1:],
+            self.bases[0], self._grad_base, *self.bases[1:], self.n_tiles, tiles,
             lr_value, s["inv_bc1"], s["inv_sqrt_bc2"], s["beta1"], s["one_minus_beta1"],
             s["beta2"], s["one_minus_beta2"], s["eps"], s["wd"], s["skey"],
             M_CODEC=cfg.m_codec, V_CODEC=cfg.v_codec, UPDATE=cfg.weight_update,
             DECOUPLED=cfg.decoupled, LR_IS_TENSOR=lr_is_tensor,
             ALIGNED=self.aligned, EVEN=self.even, SR_DENSE=self.sr_dense, SR_IDX32=self.sr_idx32,
-            HW_CAST=not interpreting(), QBLOCK=cfg.block, NB=self.nb,
-            num_warps=self.num_warps,
+            HW_CAST=not interpreting(), QBLOCK=cfg.block, NB=self.nb, num_warps=self.num_warps,
         )

@@ -52,7 +52,8 @@ def _signature(fmt, dtype: str, update: str) -> tuple[dict, dict]:
         "tiles_ptr": "*i32", "meta_ptr": "*i64", "grad_offsets_ptr": "*i64",
         "tables_ptr": "*fp32", "enc_tables_ptr": "*u8", "lr_ptr": "*fp32",
         "p_base": f"*{wdt}", "g_base": f"*{wdt}", "m_base": f"*{state}", "v_base": f"*{state}",
-        "ms_base": "*fp32", "vs_base": "*fp32", "x_base": f"*{extra}",
+        "ms_base": "*fp32", "vs_base": "*fp32", "x_base": f"*{extra}", "n_tiles": "i32",
+        "tiles": "i32",
     }
     for name in ("lr_value", "inv_bc1", "inv_sqrt_bc2", "beta1", "one_minus_beta1", "beta2",
                  "one_minus_beta2", "eps", "wd"):

@@ -112,7 +112,7 @@ def _compare_codes(name, a, b, codec):
 
 
 def _run(fmt, pdtype, update, decoupled=True, lr_tensor=False, grad_dtype=None, seed=0, elems=512,
-         sr_dense=False, spread=0.0, sr_below_2_32=False):
+         sr_dense=False, spread=0.0, sr_below_2_32=False, tiles=None):
     mc, vc, block = FORMATS[fmt]
     cfg = K.AdamWConfig(mc, vc, fmt == "bf16", block, update, decoupled, pdtype, grad_dtype or pdtype)
     gen = torch.Generator().manual_seed(seed)
@@ -124,6 +124,10 @@ def _run(fmt, pdtype, update, decoupled=True, lr_tensor=False, grad_dtype=None, 
     hyper = K.AdamWHyper(lr=lr, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=5)
     plan = K.FusedAdamW(cfg, ts, elems_per_program=elems, num_warps=4)
     assert plan.sr_idx32 == sr_below_2_32
+    if tiles is not None:
+        plan.tiles_per_program = tiles
+        # several programs, the last one short
+        assert plan.n_tiles > 2 * tiles and (tiles == 1 or plan.n_tiles % tiles), plan.n_tiles
     plan.step(grads, hyper)
     R.adamw_step_reference(cfg, ref, grads, hyper)
     for a, b in zip(ts, ref):
@@ -160,6 +164,16 @@ def test_kernel_matches_reference_fp32_params(fmt):
 @pytest.mark.parametrize("update", ["nearest", "stochastic", "kahan", "master"])
 def test_kernel_matches_reference_bf16_params(fmt, update):
     _run(fmt, torch.bfloat16, K.WEIGHT_UPDATES[update], seed=1)
+
+
+@pytest.mark.parametrize("fmt,update", [("8bit", "stochastic"), ("4bit", "kahan"), ("fp8", "master"),
+                                        ("bf16", "nearest")])
+@pytest.mark.parametrize("tiles", [1, 3, 5])
+def test_kernel_matches_reference_for_any_tiles_per_program(fmt, update, tiles):
+    """A program steps several tiles in order: the same result for any number of tiles per
+    program, where the last program holds fewer tiles than the others (the table's tile
+    count is not a multiple of 3 or 5 here) and the tiles of one program span tensors."""
+    _run(fmt, torch.bfloat16, K.WEIGHT_UPDATES[update], seed=7, elems=256, tiles=tiles)
 
 
 @pytest.mark.parametrize("fmt", ["8bit", "4bit"])
