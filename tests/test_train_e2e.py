@@ -8,14 +8,16 @@ weights included), while the optimizer part of the checkpoint holds quantized te
 """
 
 import math
+import os
 import re
 import shutil
+import sys
 
 import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import run_train, step_losses
+from conftest import DEBUG_CONFIG, ROOT, run_once_more_after_teardown_abort, run_train, step_losses
 
 STEPS = 6
 HALF = STEPS // 2
@@ -89,3 +91,17 @@ def test_loss_falls_and_checkpoint_resumes_identically(optimizer, dtype, update,
     assert sorted(resumed) == list(range(HALF + 1, STEPS + 1)), resumed
     assert resumed == {s: full[s] for s in resumed}, (
         f"resumed run differs:\nfull    {full}\nresumed {resumed}")
+
+
+def test_resume_check_script(tmp_path, prepared_data):
+    """scripts/resume_check.sh (docs/training.md) on the CPU path: two steps, a checkpoint
+    after the first, the resumed second step equal to the uninterrupted one."""
+    env = dict(os.environ, TITAN_LOWBIT_DEVICE="cpu", NPROC="2", PYTHON=sys.executable,
+               STEPS="2", LOGS=str(tmp_path))
+    cmd = ["bash", str(ROOT / "scripts" / "resume_check.sh"), "sr", str(DEBUG_CONFIG),
+           "--optimizer.name", "AdamW4bit", "--lowbit.weight_dtype", "bfloat16",
+           "--lowbit.weight_update", "stochastic", "--validation.freq", "1000"]
+    proc = run_once_more_after_teardown_abort(cmd, env, timeout=600, nproc=2)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "resumed from step 1: True; steps 2-2 identical: True" in proc.stdout, proc.stdout
+    assert "Loading the checkpoint" in (tmp_path / "sr_resumed.log").read_text()
