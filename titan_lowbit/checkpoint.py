@@ -210,16 +210,21 @@ def _absent_problem(checkpoint_id: str, stateful: list[str], absent: list[str]) 
     )
 
 
+def _dataloader_advice(saved: "int | None" = None) -> str:
+    """How to resume a checkpoint written with another data-parallel degree (``saved``
+    ranks, where known): without its data loader state, or on the degree it was written with."""
+    ranks = f"on {saved} data-parallel ranks" if saved else "with the data-parallel degree it was written with"
+    return ("torchtitan cannot reshard a data loader. To resume on another number of processes "
+            "(another data-parallel degree), add --checkpoint.exclude_from_loading dataloader "
+            '([checkpoint] exclude_from_loading = ["dataloader"], with any other states you '
+            "exclude): the model, optimizer, schedule and step resume, and the data loader "
+            "starts again from the beginning of its data, split over the new ranks. Or resume "
+            f"{ranks} to restore the data loader too.")
+
+
 def _dataloader_problem(saved: int, now: int) -> str:
-    return (
-        f"dataloader: the checkpoint holds the data loader positions of {saved} data-parallel "
-        f"ranks, this run has {now} (torchtitan cannot reshard a data loader). To resume on "
-        "another number of processes (another data-parallel degree), add --checkpoint."
-        'exclude_from_loading dataloader ([checkpoint] exclude_from_loading = ["dataloader"], '
-        "with any other states you exclude): the model, optimizer, schedule and step resume, "
-        "and the data loader starts again from the beginning of its data, split over the new "
-        f"ranks. Or resume on {saved} data-parallel ranks to restore the data loader too."
-    )
+    return (f"dataloader: the checkpoint holds the data loader positions of {saved} data-parallel "
+            f"ranks, this run has {now}; " + _dataloader_advice(saved))
 
 
 def check_compatible(state_dict: dict[str, Any], checkpoint_id: str, metadata=None) -> None:
@@ -319,12 +324,7 @@ def load_failure(checkpoint_id: str, err: BaseException, crc: bool = True) -> Ba
         if "dp_degree is inconsistent" in cause or cause.startswith(
                 "Missing key in checkpoint state_dict: dataloader."):
             problem = (f"dataloader: {cause}\n  The checkpoint was written with another "
-                       "data-parallel degree; torchtitan cannot reshard a data loader. To "
-                       "resume on another number of processes add --checkpoint."
-                       'exclude_from_loading dataloader ([checkpoint] exclude_from_loading = '
-                       '["dataloader"]): the model, optimizer, schedule and step resume, and '
-                       "the data loader starts again from the beginning of its data. Or "
-                       "resume with the data-parallel degree it was written with.")
+                       "data-parallel degree; " + _dataloader_advice())
         elif isinstance(exc, ValueError) and _from_lowbit_load(frames):
             problem = _optimizer_load_problem(cause)
         elif re.match(r"(Size mismatch|Missing key in checkpoint state_dict|Unexpected key)",
