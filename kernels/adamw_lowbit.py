@@ -1,9 +1,10 @@
 """Fused multi-tensor AdamW with low-bit optimizer states, in Triton.
 
-One launch steps MANY tensors: a tile table lists, per program, one int32
-``(tensor slot << TILE_BITS) | tile``; a metadata table lists, per tensor slot, its buffer
-offsets and layout. A model of 200 tensors costs one launch per *family* (same state
-format, weight update, dtypes and param group), not one per tensor.
+One launch steps MANY tensors: a tile table lists, per tile (a few quantization blocks of
+one tensor), one int32 ``(tensor slot << TILE_BITS) | tile``; a metadata table lists, per
+tensor slot, its buffer offsets and layout; each program steps ``tiles`` consecutive
+entries of the tile table. A model of 200 tensors costs one launch per *family* (same
+state format, weight update, dtypes and param group), not one per tensor.
 
 Math, per element, all in fp32 (llm.c style; names as in the code)::
 
