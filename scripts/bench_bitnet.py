@@ -9,7 +9,8 @@
                                                         # GPU: int8 matmul variants (the 1B model's GEMMs)
 
 For each (in -> out) shape it times forward+backward of one linear layer (median of
-triton.testing.do_bench, fresh random bf16 inputs) for
+triton.testing.do_bench on random bf16 inputs, seeded (torch.manual_seed(0)), drawn once
+per shape and reused across repetitions) for
   bf16         nn.Linear in bf16 (cuBLAS)
   bitnet       titan_lowbit's BitNet linear fed the all-gathered ternary weight (as under
                FSDP2: the weight arrives quantized)
