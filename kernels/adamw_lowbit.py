@@ -467,7 +467,7 @@ def _tile_where(tiles_ptr, t, meta_ptr, QBLOCK: tl.constexpr, NB: tl.constexpr, 
 
 @triton.jit
 def _load_raw(base, sbase, meta, SCOL: tl.constexpr, eoff, coff, bidx, bmask, emask, cmask,
-              CODEC: tl.constexpr, EVEN: tl.constexpr, ALIGNED: tl.constexpr):
+              CODEC: tl.constexpr, EVEN: tl.constexpr):
     """One moment of a tile as stored: plain values [NB, QBLOCK], or codes (4-bit: packed
     bytes [NB, QBLOCK/2]) and the blocks' absmax [NB] (plain: a placeholder)."""
     if CODEC == _K_CODEC_NONE:
@@ -522,9 +522,9 @@ def _step_tile(tiles_ptr, t, meta_ptr, grad_offsets_ptr, tab_m, tab_v, etab_m, e
     m_base = m_base + _meta_offset(meta, _K_META_M, ALIGNED)
     v_base = v_base + _meta_offset(meta, _K_META_V, ALIGNED)
     m_raw, m_abs = _load_raw(m_base, ms_base, meta, _K_META_MSCALE, eoff, coff, bidx, bmask, emask, cmask,
-                             M_CODEC, EVEN, ALIGNED)
+                             M_CODEC, EVEN)
     v_raw, v_abs = _load_raw(v_base, vs_base, meta, _K_META_VSCALE, eoff, coff, bidx, bmask, emask, cmask,
-                             V_CODEC, EVEN, ALIGNED)
+                             V_CODEC, EVEN)
     m = _dequantize(m_raw, m_abs, tab_m, M_CODEC, HW_CAST)
     v = _dequantize(v_raw, v_abs, tab_v, V_CODEC, HW_CAST)
 
