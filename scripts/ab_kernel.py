@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """A/B timing of versions of the fused AdamW kernel, alternating inside one process.
 
 Host-to-host spread on the lent H100s is larger than most kernel changes (docs/optimizer.md),
@@ -11,7 +12,7 @@ alternating rounds. A version is ``NAME`` or ``NAME:OPTION=VALUE,...`` with opti
 - ``tiles=N``: tiles each program steps (the plans' ``tiles_per_program``; files whose
   kernel steps one tile per program ignore it).
 
-    python3 scripts/ab_kernel.py --version old:file=/tmp/old.py --version new \
+    python3 scripts/ab_kernel.py --version old:file=/tmp/old.py --version new \\
         --version t1:tiles=1 --version new64:maxnreg=64 --rounds 7 --only "8bit bfloat16 stochastic"
 
 Prints the median ms per step of every version in every round, then each version's median
