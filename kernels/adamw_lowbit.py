@@ -588,7 +588,7 @@ def _adamw_lowbit_kernel(
     QBLOCK: tl.constexpr, NB: tl.constexpr,
 ):
     # Program i steps the tiles [i * tiles, (i + 1) * tiles) of the tile table, in order:
-    # fewer, longer programs (measured 4-7% faster than one tile per program for the
+    # fewer, longer programs (measured 3-7% faster than one tile per program for the
     # quantized formats with bf16 weights, docs/optimizer.md). Loading the next tile while
     # computing this one was measured slower, and is not done.
     # Buffers are addressed as base pointer (a kernel argument, so the compiler knows its
