@@ -11,9 +11,9 @@
 - A new ``step-N`` is written beside the old one and moved into place only once it is
   complete.
 - A checkpoint that is fine but cannot resume this run as it is (model-only, another
-  data-parallel degree, Adam* against AdamW*, or a load error after the file checks
-  passed) stops the run naming the setting to change, and is never called damaged nor
-  to be moved or deleted.
+  data-parallel degree, Adam* against AdamW*, BitNet layers added or dropped, or a load
+  error after the file checks passed) stops the run naming the setting to change, and is
+  never called damaged nor to be moved or deleted.
 """
 
 import os
@@ -226,6 +226,51 @@ def test_adam_resuming_an_adamw_checkpoint_names_the_optimizer_name(two_process_
     for text in ("decoupled_weight_decay=True", "decoupled_weight_decay=False",
                  '[optimizer] name = "AdamW4bit" (--optimizer.name AdamW4bit)'):
         assert text in out, (text, out[-3000:])
+
+
+def test_resume_with_bitnet_added_names_the_converters_and_a_new_run_may_start_from_it(
+        two_process_checkpoint, tmp_path):
+    """A BitNet weight's checkpoint entry is its plain latent weight, so only the record
+    the plugin writes beside the states tells a BitNet run's checkpoint from a plain one's:
+    resuming the plain fixture with ``bitnet`` stops; starting a new run from its weights
+    with ``bitnet`` (a model-only initial load) trains."""
+    dump, _, overrides = two_process_checkpoint  # written without converters
+    step_dir = dump / "checkpoint" / f"step-{SAVE_STEP}"
+    assert ckpt.BITNET_WEIGHTS in FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    resumed = resume_folder(tmp_path, dump / "checkpoint")
+    proc = run_train(*overrides, "--job.dump_folder", str(resumed), "--model.converters", "bitnet",
+                     "--training.steps", str(SAVE_STEP + 1), check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and not step_losses(out), out[-3000:]
+    assert_mismatch_only(out)
+    for text in ("written with 0 BitNet linear weights (no bitnet converter), this run has 42",
+                 f"--checkpoint.initial_load_path {resumed / 'checkpoint' / f'step-{SAVE_STEP}'}"):
+        assert text in out, (text, out[-3000:])
+
+    fresh = run_train(*overrides, "--job.dump_folder", str(tmp_path / "fresh"),
+                      "--model.converters", "bitnet", "--checkpoint.initial_load_path", str(step_dir),
+                      "--training.steps", "2")
+    assert f"Loading the checkpoint from {step_dir}" in fresh.stdout + fresh.stderr, fresh.stdout[-3000:]
+    assert sorted(step_losses(fresh.stdout)) == [1, 2], fresh.stdout[-3000:]
+
+
+def drop_conversion_record(step_dir) -> None:
+    """Make ``step_dir`` what titan_lowbit wrote before it recorded the conversion."""
+    meta = FileSystemReader(str(step_dir)).read_metadata()
+    meta.state_dict_metadata = {k: v for k, v in meta.state_dict_metadata.items()
+                                if not k.startswith(ckpt.RECORD + ".")}
+    meta.storage_data = {k: v for k, v in meta.storage_data.items()
+                         if not k.fqn.startswith(ckpt.RECORD + ".")}
+    with open(step_dir / ".metadata", "wb") as f:
+        pickle.dump(meta, f)
+
+
+def test_checkpoint_without_conversion_record_resumes_identically(two_process_checkpoint, tmp_path):
+    fixture_dump, full, overrides = two_process_checkpoint
+    dump = dump_with(tmp_path, fixture_dump, drop_conversion_record)  # step-LAST edited
+    proc = run_train(*overrides, "--job.dump_folder", str(dump), "--training.steps", str(LAST + 1))
+    assert f"Loading the checkpoint from {dump / 'checkpoint' / f'step-{LAST}'}" in proc.stdout
+    assert sorted(step_losses(proc.stdout)) == [LAST + 1], proc.stdout[-3000:]
 
 
 def raised(fn) -> BaseException:

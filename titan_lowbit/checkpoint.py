@@ -20,7 +20,10 @@ Loading. Before torchtitan's ``CheckpointManager.dcp_load`` reads anything:
   last_save_model_only = true``: no optimizer, schedule, data loader or step to resume),
   an Adam* run resuming an AdamW* checkpoint (or back), and a data-parallel degree other
   than the checkpoint's (torchtitan cannot reshard the data loader's positions:
-  ``--checkpoint.exclude_from_loading dataloader``). These raise
+  ``--checkpoint.exclude_from_loading dataloader``), and a resume whose model has BitNet
+  layers added or dropped (:func:`conversion_record`, which every save writes beside the
+  states: a BitNet weight's entry is its plain latent weight, so nothing else tells the
+  two apart; a model-only initial load may change the converters). These raise
   :class:`CheckpointMismatch` naming the setting to change; they never advise moving or
   deleting the checkpoint, which is fine for the configuration that wrote it;
 - an error from DCP's own load (after the checks above passed) is re-raised with the step
@@ -59,6 +62,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from titan_lowbit.bitnet.weight import local_training_weight
 from titan_lowbit.optim.formats import STATE_FORMATS, block_of
 from titan_lowbit.optimizer_builder import is_lowbit
 
@@ -71,6 +75,9 @@ NAME_KEYS = ("decoupled_weight_decay",)
 TORCH_LAYOUT = {"optimizer": "torch Adam/AdamW (fp32 or parameter-dtype moments)"}
 FORMAT_SUFFIX = {"8bit": "8bit", "4bit": "4bit", "fp8": "Fp8", "fp32": ""}  # of the names
 DATALOADER_RANK = re.compile(r"dataloader\.dp_rank_(\d+)")
+# titan_lowbit's own entry in the checkpoints it writes: how the model was converted.
+RECORD = "titan_lowbit"
+BITNET_WEIGHTS = f"{RECORD}.bitnet_weights"
 LOWBIT_OPTION = {"state_format": "[optimizer] name", "decoupled_weight_decay": "[optimizer] name",
                  "block_size": "[lowbit] block_size", "weight_update": "[lowbit] weight_update",
                  "min_quantized_numel": "[lowbit] min_quantized_numel"}
@@ -227,10 +234,39 @@ def _dataloader_problem(saved: int, now: int) -> str:
             f"ranks, this run has {now}; " + _dataloader_advice(saved))
 
 
-def check_compatible(state_dict: dict[str, Any], checkpoint_id: str, metadata=None) -> None:
+def conversion_record(model_parts) -> dict[str, torch.Tensor]:
+    """What a checkpoint records of the model's conversion: the number of BitNet weights
+    (``[model] converters`` with ``bitnet``). Their state-dict entries are the plain latent
+    weights, the same keys and shapes as without the converter, so nothing else in the
+    checkpoint tells a BitNet run from a plain one."""
+    n = sum(local_training_weight(p) is not None for m in model_parts for p in m.parameters())
+    return {"bitnet_weights": torch.tensor(n, dtype=torch.int64)}
+
+
+def _conversion_problem(checkpoint_id: str, keys, model_parts) -> str | None:
+    """A resume whose model is converted otherwise than the checkpoint's (BitNet layers
+    added or dropped): it would load and train on, a different model from the step on."""
+    if BITNET_WEIGHTS not in keys:
+        return None  # written before titan_lowbit recorded it
+    saved = {RECORD: {"bitnet_weights": torch.zeros((), dtype=torch.int64)}}
+    dcp.load(saved, checkpoint_id=checkpoint_id, no_dist=True)
+    was = int(saved[RECORD]["bitnet_weights"])
+    now = int(conversion_record(model_parts)["bitnet_weights"])
+    if was == now:
+        return None
+    return (f"model: the checkpoint was written with {was} BitNet linear weights "
+            f"({'[model] converters with bitnet' if was else 'no bitnet converter'}), this run has "
+            f"{now}. Resume with the [model] converters (and [lowbit] bitnet_filter) it was "
+            "written with; to start a new run from its weights with this run's converters, use "
+            f"--checkpoint.initial_load_path {checkpoint_id} in a new --job.dump_folder.")
+
+
+def check_compatible(state_dict: dict[str, Any], checkpoint_id: str, metadata=None,
+                     model_parts=None) -> None:
     """Raise CheckpointMismatch when the checkpoint at ``checkpoint_id`` cannot resume
     ``state_dict`` (the run's states) as it is: another optimizer layout, other parameter
-    dtypes, another data-parallel degree, or states the run loads and it lacks."""
+    dtypes, another data-parallel degree, states the run loads and it lacks, or (a resume,
+    with ``model_parts`` given) another BitNet conversion of the model."""
     if metadata is None:
         metadata = FileSystemReader(checkpoint_id).read_metadata()
     keys = metadata.state_dict_metadata
@@ -273,6 +309,10 @@ def check_compatible(state_dict: dict[str, Any], checkpoint_id: str, metadata=No
                 "it, or drop the optimizer with [checkpoint] exclude_from_loading = "
                 '["optimizer"] to start the optimizer afresh.'
             )
+    if model_parts is not None and "train_state" in state_dict:  # a resume, not a model-only load
+        conversion = _conversion_problem(checkpoint_id, keys, model_parts)
+        if conversion:
+            problems.insert(0, conversion)
     if problems:
         raise CheckpointMismatch(
             f"checkpoint {checkpoint_id} does not match this run:\n  " + "\n  ".join(problems)
@@ -536,7 +576,7 @@ def save_atomically(save, checkpoint_id: str):
 
 
 def register() -> None:
-    from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
+    from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
     from torchtitan.tools.logging import logger
 
     original_load = CheckpointManager.dcp_load
@@ -550,7 +590,7 @@ def register() -> None:
             return original_load(self, state_dict, checkpoint_id, from_hf, from_quantized)
         metadata = read_metadata(checkpoint_id)
         verify(checkpoint_id, metadata)
-        check_compatible(state_dict, checkpoint_id, metadata)
+        check_compatible(state_dict, checkpoint_id, metadata, self.states[MODEL].model)
         try:
             return original_load(self, state_dict, checkpoint_id, from_hf, from_quantized)
         except (Exception, CheckpointException) as err:  # CheckpointException: BaseException
@@ -559,6 +599,9 @@ def register() -> None:
 
     def dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False,
                  to_hf=False):
+        if not to_hf:  # the record travels with every DCP checkpoint (never into HF files)
+            state_dict = {**state_dict, RECORD: conversion_record(self.states[MODEL].model)}
+
         def save(target):
             return original_save(self, state_dict, target, async_mode,
                                  enable_garbage_collection, to_hf)
