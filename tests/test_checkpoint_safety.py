@@ -170,16 +170,21 @@ def assert_mismatch_only(out: str) -> None:
         assert text not in out, (text, out[-3000:])
 
 
-def keep_model_only(step_dir) -> None:
-    """Make ``step_dir`` what torchtitan's last save writes with last_save_model_only:
-    the model's entries and nothing else."""
+def keep_entries(step_dir, keep) -> None:
+    """Rewrite ``step_dir``'s ``.metadata`` so that it indexes only the entries whose key
+    ``keep(key)`` accepts (the data files stay as they are)."""
     meta = FileSystemReader(str(step_dir)).read_metadata()
-    model = {k for k in meta.state_dict_metadata
-             if k.split(".", 1)[0] not in ("optimizer", "lr_scheduler", "dataloader", "train_state")}
-    meta.state_dict_metadata = {k: v for k, v in meta.state_dict_metadata.items() if k in model}
-    meta.storage_data = {k: v for k, v in meta.storage_data.items() if k.fqn in model}
+    meta.state_dict_metadata = {k: v for k, v in meta.state_dict_metadata.items() if keep(k)}
+    meta.storage_data = {k: v for k, v in meta.storage_data.items() if keep(k.fqn)}
     with open(step_dir / ".metadata", "wb") as f:
         pickle.dump(meta, f)
+
+
+def keep_model_only(step_dir) -> None:
+    """Make ``step_dir`` what torchtitan's last save writes with last_save_model_only:
+    the model's entries (and titan_lowbit's record) and nothing else."""
+    keep_entries(step_dir, lambda k: k.split(".", 1)[0] not in (
+        "optimizer", "lr_scheduler", "dataloader", "train_state"))
 
 
 def test_model_only_checkpoint_stops_naming_the_full_checkpoints(two_process_checkpoint,
@@ -256,13 +261,7 @@ def test_resume_with_bitnet_added_names_the_converters_and_a_new_run_may_start_f
 
 def drop_conversion_record(step_dir) -> None:
     """Make ``step_dir`` what titan_lowbit wrote before it recorded the conversion."""
-    meta = FileSystemReader(str(step_dir)).read_metadata()
-    meta.state_dict_metadata = {k: v for k, v in meta.state_dict_metadata.items()
-                                if not k.startswith(ckpt.RECORD + ".")}
-    meta.storage_data = {k: v for k, v in meta.storage_data.items()
-                         if not k.fqn.startswith(ckpt.RECORD + ".")}
-    with open(step_dir / ".metadata", "wb") as f:
-        pickle.dump(meta, f)
+    keep_entries(step_dir, lambda k: not k.startswith(ckpt.RECORD + "."))
 
 
 def test_checkpoint_without_conversion_record_resumes_identically(two_process_checkpoint, tmp_path):
