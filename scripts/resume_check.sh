@@ -12,8 +12,8 @@
 #
 # Environment: STEPS (default 20), LOGS (default outputs/resume_check): the runs' logs go to
 # LOGS/NAME_full.log and LOGS/NAME_resumed.log, their dump folder is LOGS/NAME.
-# GPU kernels are deterministic only with --debug.deterministic (scatter-adds in the
-# backward otherwise reorder sums from run to run).
+# On GPUs pass --debug.deterministic (torch's deterministic algorithms): without it torch
+# does not promise that two runs repeat each other bit for bit.
 set -euo pipefail
 if [ $# -lt 2 ]; then
   echo "usage: scripts/resume_check.sh NAME CONFIG [torchtitan overrides...]" >&2
