@@ -63,6 +63,14 @@ def overwrite_optimizer_bytes(step_dir) -> str:
     return index.fqn
 
 
+def stopped_run(*overrides: str, nproc: int = 2) -> str:
+    """Output of a train.sh run that must stop before its first training step."""
+    proc = run_train(*overrides, nproc=nproc, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and not step_losses(out), out[-3000:]
+    return out
+
+
 def test_interrupted_save_is_skipped_and_resume_continues_identically(two_process_checkpoint,
                                                                        tmp_path):
     fixture_dump, full, overrides = two_process_checkpoint
@@ -87,10 +95,7 @@ def test_damaged_checkpoint_stops_the_run_naming_folder_tensor_and_fallback(
     dump = dump_with(tmp_path, fixture_dump,
                      lambda d: damaged.update(fqn=overwrite_optimizer_bytes(d)))
 
-    proc = run_train(*overrides, "--job.dump_folder", str(dump), "--training.steps", str(LAST + 1),
-                     check=False)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and not step_losses(out), out[-3000:]
+    out = stopped_run(*overrides, "--job.dump_folder", str(dump), "--training.steps", str(LAST + 1))
     step_dir = dump / "checkpoint" / f"step-{LAST}"
     for text in (f"checkpoint {step_dir} is damaged or incomplete and was not loaded",
                  damaged["fqn"], "Bad CRC-32", f"steps [{SAVE_STEP}]", "--checkpoint.load_step"):
@@ -192,10 +197,7 @@ def test_model_only_checkpoint_stops_naming_the_full_checkpoints(two_process_che
     fixture_dump, _, overrides = two_process_checkpoint
     dump = dump_with(tmp_path, fixture_dump, keep_model_only)
 
-    proc = run_train(*overrides, "--job.dump_folder", str(dump), "--training.steps", str(LAST + 2),
-                     check=False)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and not step_losses(out), out[-3000:]
+    out = stopped_run(*overrides, "--job.dump_folder", str(dump), "--training.steps", str(LAST + 2))
     assert_mismatch_only(out)
     step_dir = dump / "checkpoint" / f"step-{LAST}"
     for text in ("holds the model weights only", "last_save_model_only = true",
@@ -209,10 +211,8 @@ def test_resume_on_another_process_count_names_the_dataloader_fix(two_process_ch
                                                                   tmp_path):
     dump, _, overrides = two_process_checkpoint
     resumed = resume_folder(tmp_path, dump / "checkpoint")
-    proc = run_train(*overrides, "--job.dump_folder", str(resumed),
-                     "--training.steps", str(SAVE_STEP + 1), nproc=1, check=False)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and not step_losses(out), out[-3000:]
+    out = stopped_run(*overrides, "--job.dump_folder", str(resumed),
+                      "--training.steps", str(SAVE_STEP + 1), nproc=1)
     assert_mismatch_only(out)
     for text in ("data loader positions of 2 data-parallel ranks, this run has 1",
                  "--checkpoint.exclude_from_loading dataloader"):
@@ -223,10 +223,8 @@ def test_adam_resuming_an_adamw_checkpoint_names_the_optimizer_name(two_process_
                                                                     tmp_path):
     dump, _, overrides = two_process_checkpoint  # written by AdamW4bit
     resumed = resume_folder(tmp_path, dump / "checkpoint")
-    proc = run_train(*overrides, "--job.dump_folder", str(resumed), "--optimizer.name", "Adam4bit",
-                     "--training.steps", str(SAVE_STEP + 1), check=False)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and not step_losses(out), out[-3000:]
+    out = stopped_run(*overrides, "--job.dump_folder", str(resumed), "--optimizer.name", "Adam4bit",
+                      "--training.steps", str(SAVE_STEP + 1))
     assert_mismatch_only(out)
     for text in ("decoupled_weight_decay=True", "decoupled_weight_decay=False",
                  '[optimizer] name = "AdamW4bit" (--optimizer.name AdamW4bit)'):
@@ -243,10 +241,8 @@ def test_resume_with_bitnet_added_names_the_converters_and_a_new_run_may_start_f
     step_dir = dump / "checkpoint" / f"step-{SAVE_STEP}"
     assert ckpt.BITNET_WEIGHTS in FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
     resumed = resume_folder(tmp_path, dump / "checkpoint")
-    proc = run_train(*overrides, "--job.dump_folder", str(resumed), "--model.converters", "bitnet",
-                     "--training.steps", str(SAVE_STEP + 1), check=False)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and not step_losses(out), out[-3000:]
+    out = stopped_run(*overrides, "--job.dump_folder", str(resumed), "--model.converters", "bitnet",
+                      "--training.steps", str(SAVE_STEP + 1))
     assert_mismatch_only(out)
     for text in ("written with 0 BitNet linear weights (no bitnet converter), this run has 42",
                  f"--checkpoint.initial_load_path {resumed / 'checkpoint' / f'step-{SAVE_STEP}'}"):
