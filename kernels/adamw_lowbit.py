@@ -30,7 +30,9 @@ Math, per element, all in fp32 (llm.c style; names as in the code)::
 
 The pure-PyTorch twin of this kernel is ``adamw_lowbit_ref.py``; both use the codec tables of
 ``quant_maps.py`` (dynamic-tree codes: value table to decode, bucket table + one midpoint
-compare to encode). Under ``TRITON_INTERPRET=1`` (numpy: exact division and sqrt, no fused
+compare to encode). On a GPU each program copies the tables it reads into shared memory once
+and reads them there with PTX loads (``_smem_tables_store``, ``smem_layout``); under the
+interpreter ``tl.gather`` reads them (same entries). Under ``TRITON_INTERPRET=1`` (numpy: exact division and sqrt, no fused
 multiply-adds) and with the bf16/fp8 roundings done in integer arithmetic (``HW_CAST`` off),
 kernel and reference agree bit for bit. On a GPU the kernel uses the hardware casts (same
 rounding: nearest even), the fast division/sqrt, and the compiler fuses multiply-adds: values
@@ -40,6 +42,7 @@ agree to an ulp, and a code can differ by one step where a value sits on a round
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -233,22 +236,71 @@ def _bf16_stochastic(x, gidx, key, IDX32: tl.constexpr):
 
 
 @triton.jit
-def _lookup(table, idx, SIZE: tl.constexpr, AS_I32: tl.constexpr = False):
-    """table[idx] for a SIZE-entry table, through shared memory: tl.gather stores the
-    table there once per program (coalesced loads) and each element reads its entry with
-    one shared load. The same random reads from global memory touch several L1 cache lines
-    per warp and use a few bytes of each 32-byte sector (the kernel's bound).
-    AS_I32: a byte table is widened to int32 words before it goes to shared memory (4x
-    the space; the reads then need no byte extraction)."""
-    values = tl.load(table + tl.arange(0, SIZE))
-    if AS_I32:
-        values = values.to(tl.int32)
-    return tl.reshape(tl.gather(values, tl.reshape(idx, [idx.numel]), 0), idx.shape)
+def _smem_read(byte_idx, OFF: tl.constexpr, WORD: tl.constexpr):
+    """The int32 word (WORD) or zero-extended byte at ``global_smem + OFF + byte_idx``: a
+    table stored in shared memory once per program by ``_smem_tables_store`` (PTX: Triton
+    has no shared-memory load at computed addresses). OFF is added inside the asm, where
+    ptxas folds it into the load's immediate offset (added outside, LLVM turns it into an
+    OR, which costs an instruction per read)."""
+    off = tl.full(byte_idx.shape, OFF, tl.int32)
+    if WORD:
+        out = tl.inline_asm_elementwise(
+            "{ .reg .b32 a; mov.b32 a, global_smem; add.u32 a, a, $1; add.u32 a, a, $2; ld.shared.b32 $0, [a]; }",
+            "=r,r,r", [byte_idx, off], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        out = tl.inline_asm_elementwise(
+            "{ .reg .b32 a; mov.b32 a, global_smem; add.u32 a, a, $1; add.u32 a, a, $2; ld.shared.u8 $0, [a]; }",
+            "=r,r,r", [byte_idx, off], dtype=tl.int32, is_pure=True, pack=1)
+    return out
+
+
+@triton.jit
+def _smem_tables_store(image_ptr, WORDS: tl.constexpr):
+    """Store the launch's code tables (``smem_image``: WORDS int32 words, the first
+    ``smem_gap`` bytes unused) at the start of the kernel's shared memory, once per
+    program. The identity ``tl.gather`` is there for its side effect: Triton reserves
+    shared memory for the gather's source (WORDS words); the other shared memory the
+    kernel uses (layout conversions in the tile loop, from offset 0) stays inside the gap,
+    so the tables stay intact for the program's life. ``FusedAdamW.launch`` checks the
+    reservation of every compiled kernel."""
+    words = tl.arange(0, WORDS)
+    image = tl.gather(tl.load(image_ptr + words), words, 0)
+    tl.debug_barrier()
+    tl.inline_asm_elementwise(
+        "{ .reg .b32 a; mov.b32 a, global_smem; mad.lo.u32 a, $1, 4, a; st.shared.b32 [a], $2; mov.b32 $0, 0; }",
+        "=r,r,r", [words, image], dtype=tl.int32, is_pure=False, pack=1)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _lookup(table, idx, SIZE: tl.constexpr, AS_I32: tl.constexpr = False, SMEM: tl.constexpr = -1,
+            OFF: tl.constexpr = 0):
+    """table[idx] for a SIZE-entry table, through shared memory. SMEM >= 0: the table
+    lies at byte offset SMEM + OFF of the kernel's shared memory, stored there once per program
+    (``_smem_tables_store``); each element reads its entry with one shared load. SMEM < 0
+    (the interpreter): tl.gather, which stores the table in shared memory at every call,
+    between two barriers. Either way the same random reads from global memory would touch
+    several L1 cache lines per warp and use a few bytes of each 32-byte sector.
+    AS_I32: a byte table is held as int32 words (4x the space; the reads then need no
+    byte extraction)."""
+    if SMEM >= 0:
+        if table.dtype.element_ty == tl.float32:
+            out = _smem_read(idx * 4, SMEM + OFF, True).to(tl.float32, bitcast=True)
+        elif AS_I32:
+            out = _smem_read(idx * 4, SMEM + OFF, True)
+        else:
+            out = _smem_read(idx, SMEM + OFF, False)
+    else:
+        values = tl.load(table + tl.arange(0, SIZE))
+        if AS_I32:
+            values = values.to(tl.int32)
+        out = tl.reshape(tl.gather(values, tl.reshape(idx, [idx.numel]), 0), idx.shape)
+    return out
 
 
 @triton.jit
 def _dyn_encode(x, tab, etab, M: tl.constexpr, NMAG: tl.constexpr, SIGNED: tl.constexpr,
-                SHIFT: tl.constexpr, SIZE: tl.constexpr, WINDOW: tl.constexpr):
+                SHIFT: tl.constexpr, SIZE: tl.constexpr, WINDOW: tl.constexpr, SMEM: tl.constexpr):
     """Nearest dynamic-tree code of x in [-1, 1]: bucket table (SIZE buckets, |x|'s float
     bits >> SHIFT; its shared-memory window of the top WINDOW buckets, smaller values clamp
     into the window's first bucket, whose candidate is 0; the 4-bit map's window is its
@@ -263,22 +315,22 @@ def _dyn_encode(x, tab, etab, M: tl.constexpr, NMAG: tl.constexpr, SIGNED: tl.co
     if LOW > 0:
         idx = tl.maximum(idx - LOW, 0)  # the shared-memory window
     # A window of at most 256 buckets goes to shared memory as int32 words (1 KB).
-    cand = _lookup(etab + LOW, idx, WINDOW, WINDOW <= 256).to(tl.int32)
-    p = cand + (tl.abs(x) > _lookup(tab + _K_TABLE_MID, cand, NMAG)).to(tl.int32)
+    cand = _lookup(etab + LOW, idx, WINDOW, WINDOW <= 256, SMEM, 8 * NMAG).to(tl.int32)
+    p = cand + (tl.abs(x) > _lookup(tab + _K_TABLE_MID, cand, NMAG, False, SMEM, 4 * NMAG)).to(tl.int32)
     if SIGNED:
         p = p | ((x < 0).to(tl.int32) << M)
     return p
 
 
 @triton.jit
-def _dyn_decode(code, tab, M: tl.constexpr, NMAG: tl.constexpr, SIGNED: tl.constexpr):
+def _dyn_decode(code, tab, M: tl.constexpr, NMAG: tl.constexpr, SIGNED: tl.constexpr, SMEM: tl.constexpr):
     """Value of a dynamic-tree code: one read of the codec's value table (its NMAG = 2**M
     magnitudes), sign bit moved onto the float."""
     c = code.to(tl.int32)
     if SIGNED:
-        val = _lookup(tab + _K_TABLE_LUT, c & (NMAG - 1), NMAG)
+        val = _lookup(tab + _K_TABLE_LUT, c & (NMAG - 1), NMAG, False, SMEM)
         return (val.to(tl.int32, bitcast=True) | ((c >> M) << 31)).to(tl.float32, bitcast=True)
-    return _lookup(tab + _K_TABLE_LUT, c, NMAG)
+    return _lookup(tab + _K_TABLE_LUT, c, NMAG, False, SMEM)
 
 
 @triton.jit
@@ -335,7 +387,7 @@ def _fp8_decode(code, HW_CAST: tl.constexpr):
 
 
 @triton.jit
-def _decode(code, absmax, tab, CODEC: tl.constexpr, HW_CAST: tl.constexpr):
+def _decode(code, absmax, tab, CODEC: tl.constexpr, HW_CAST: tl.constexpr, SMEM: tl.constexpr):
     """Values of a tile's codes [NB, QBLOCK] in blocks with the given absmax [NB]."""
     if CODEC == _K_CODEC_LIN4_NOZERO:
         out = _lin4_decode(code, absmax)
@@ -343,17 +395,17 @@ def _decode(code, absmax, tab, CODEC: tl.constexpr, HW_CAST: tl.constexpr):
         if CODEC == _K_CODEC_FP8_E4M3:
             val = _fp8_decode(code, HW_CAST)
         elif CODEC == _K_CODEC_DYN8_SIGNED:
-            val = _dyn_decode(code, tab, _K_DYN8S_M, _K_DYN8S_NMAG, True)
+            val = _dyn_decode(code, tab, _K_DYN8S_M, _K_DYN8S_NMAG, True, SMEM)
         elif CODEC == _K_CODEC_DYN8_UNSIGNED:
-            val = _dyn_decode(code, tab, _K_DYN8U_M, _K_DYN8U_NMAG, False)
+            val = _dyn_decode(code, tab, _K_DYN8U_M, _K_DYN8U_NMAG, False, SMEM)
         else:
-            val = _dyn_decode(code, tab, _K_DYN4_M, _K_DYN4_NMAG, True)
+            val = _dyn_decode(code, tab, _K_DYN4_M, _K_DYN4_NMAG, True, SMEM)
         out = val * absmax[:, None]
     return out
 
 
 @triton.jit
-def _encode(x, inv, tab, etab, CODEC: tl.constexpr, HW_CAST: tl.constexpr):
+def _encode(x, inv, tab, etab, CODEC: tl.constexpr, HW_CAST: tl.constexpr, SMEM: tl.constexpr):
     """Codes of a tile's values [NB, QBLOCK] in blocks with 1 / absmax = inv [NB]."""
     if CODEC == _K_CODEC_LIN4_NOZERO:
         codes = _lin4_encode(x, (inv * 16.0)[:, None])
@@ -363,13 +415,13 @@ def _encode(x, inv, tab, etab, CODEC: tl.constexpr, HW_CAST: tl.constexpr):
             codes = _fp8_encode(xn, HW_CAST)
         elif CODEC == _K_CODEC_DYN8_SIGNED:
             codes = _dyn_encode(xn, tab, etab, _K_DYN8S_M, _K_DYN8S_NMAG, True,
-                                _K_ENC8S_SHIFT, _K_ENC8S_SIZE, _K_ENC8S_WINDOW)
+                                _K_ENC8S_SHIFT, _K_ENC8S_SIZE, _K_ENC8S_WINDOW, SMEM)
         elif CODEC == _K_CODEC_DYN8_UNSIGNED:
             codes = _dyn_encode(xn, tab, etab, _K_DYN8U_M, _K_DYN8U_NMAG, False,
-                                _K_ENC8U_SHIFT, _K_ENC8U_SIZE, _K_ENC8U_WINDOW)
+                                _K_ENC8U_SHIFT, _K_ENC8U_SIZE, _K_ENC8U_WINDOW, SMEM)
         else:
             codes = _dyn_encode(xn, tab, etab, _K_DYN4_M, _K_DYN4_NMAG, True,
-                                _K_ENC4_SHIFT, _K_ENC4_SIZE, _K_ENC4_WINDOW)
+                                _K_ENC4_SHIFT, _K_ENC4_SIZE, _K_ENC4_WINDOW, SMEM)
     return codes
 
 
@@ -393,7 +445,7 @@ def _st(ptr, val, mask, EVEN: tl.constexpr):
 @triton.jit
 def _store_state(x, base, sbase, soff, tab, etab, eptr_off, cptr_off, bidx, bmask, emask, cmask,
                  CODEC: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, EVEN: tl.constexpr,
-                 HW_CAST: tl.constexpr):
+                 HW_CAST: tl.constexpr, SMEM: tl.constexpr):
     """Store one moment of a tile: plain, or re-quantized with each block's new absmax."""
     if CODEC == _K_CODEC_NONE:
         if base.dtype.element_ty == tl.bfloat16:
@@ -405,7 +457,7 @@ def _store_state(x, base, sbase, soff, tab, etab, eptr_off, cptr_off, bidx, bmas
             x = tl.where(emask, x, 0.0)
         absmax = tl.max(tl.abs(x), axis=1)
         inv = _recip(tl.where(absmax > 0, absmax, 1.0), HW_CAST)
-        codes = _encode(x, inv, tab, etab, CODEC, HW_CAST)
+        codes = _encode(x, inv, tab, etab, CODEC, HW_CAST, SMEM)
         _st(sbase + soff + bidx, absmax, bmask, EVEN)
         if CODEC == _K_CODEC_DYN4_SIGNED or CODEC == _K_CODEC_LIN4_NOZERO:
             lo, hi = tl.split(tl.reshape(codes, [NB, QBLOCK // 2, 2]))
@@ -482,7 +534,7 @@ def _load_raw(base, sbase, meta, SCOL: tl.constexpr, eoff, coff, bidx, bmask, em
 
 
 @triton.jit
-def _dequantize(raw, absmax, tab, CODEC: tl.constexpr, HW_CAST: tl.constexpr):
+def _dequantize(raw, absmax, tab, CODEC: tl.constexpr, HW_CAST: tl.constexpr, SMEM: tl.constexpr):
     """fp32 values [NB, QBLOCK] of a moment loaded by _load_raw."""
     if CODEC == _K_CODEC_NONE:
         return raw.to(tl.float32)
@@ -492,7 +544,7 @@ def _dequantize(raw, absmax, tab, CODEC: tl.constexpr, HW_CAST: tl.constexpr):
             codes = tl.interleave(packed & 15, packed >> 4)
         else:
             codes = raw
-        return _decode(codes, absmax, tab, CODEC, HW_CAST)
+        return _decode(codes, absmax, tab, CODEC, HW_CAST, SMEM)
 
 
 @triton.jit
@@ -502,7 +554,8 @@ def _step_tile(tiles_ptr, t, meta_ptr, grad_offsets_ptr, tab_m, tab_v, etab_m, e
                skey, M_CODEC: tl.constexpr, V_CODEC: tl.constexpr, UPDATE: tl.constexpr,
                DECOUPLED: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
                SR_DENSE: tl.constexpr, SR_IDX32: tl.constexpr, HW_CAST: tl.constexpr,
-               QBLOCK: tl.constexpr, NB: tl.constexpr, CBLOCK: tl.constexpr):
+               QBLOCK: tl.constexpr, NB: tl.constexpr, CBLOCK: tl.constexpr,
+               M_SMEM: tl.constexpr, V_SMEM: tl.constexpr):
     """The AdamW step of tile ``t``: load gradient, weight (with fp32 master weights only
     the master: the bf16 copy is only written), extra state and both moments; dequantize,
     update in fp32, re-quantize with each block's new absmax, write states and weight."""
@@ -525,8 +578,8 @@ def _step_tile(tiles_ptr, t, meta_ptr, grad_offsets_ptr, tab_m, tab_v, etab_m, e
                              M_CODEC, EVEN)
     v_raw, v_abs = _load_raw(v_base, vs_base, meta, _K_META_VSCALE, eoff, coff, bidx, bmask, emask, cmask,
                              V_CODEC, EVEN)
-    m = _dequantize(m_raw, m_abs, tab_m, M_CODEC, HW_CAST)
-    v = _dequantize(v_raw, v_abs, tab_v, V_CODEC, HW_CAST)
+    m = _dequantize(m_raw, m_abs, tab_m, M_CODEC, HW_CAST, M_SMEM)
+    v = _dequantize(v_raw, v_abs, tab_v, V_CODEC, HW_CAST, V_SMEM)
 
     # ---- AdamW, fp32 -------------------------------------------------------------------
     if not DECOUPLED:
@@ -541,9 +594,9 @@ def _step_tile(tiles_ptr, t, meta_ptr, grad_offsets_ptr, tab_m, tab_v, etab_m, e
         p_new = p - upd
 
     _store_state(m, m_base, ms_base, tl.load(meta + _K_META_MSCALE), tab_m, etab_m, eoff, coff, bidx,
-                 bmask, emask, cmask, M_CODEC, NB, QBLOCK, EVEN, HW_CAST)
+                 bmask, emask, cmask, M_CODEC, NB, QBLOCK, EVEN, HW_CAST, M_SMEM)
     _store_state(v, v_base, vs_base, tl.load(meta + _K_META_VSCALE), tab_v, etab_v, eoff, coff, bidx,
-                 bmask, emask, cmask, V_CODEC, NB, QBLOCK, EVEN, HW_CAST)
+                 bmask, emask, cmask, V_CODEC, NB, QBLOCK, EVEN, HW_CAST, V_SMEM)
 
     # ---- weight write ------------------------------------------------------------------
     if not PARAM_BF16:
@@ -579,13 +632,14 @@ def _step_tile(tiles_ptr, t, meta_ptr, grad_offsets_ptr, tab_m, tab_v, etab_m, e
 
 @triton.jit
 def _adamw_lowbit_kernel(
-    tiles_ptr, meta_ptr, grad_offsets_ptr, tables_ptr, enc_tables_ptr, lr_ptr,
+    tiles_ptr, meta_ptr, grad_offsets_ptr, tables_ptr, enc_tables_ptr, smem_image_ptr, lr_ptr,
     p_base, g_base, m_base, v_base, ms_base, vs_base, x_base, n_tiles, tiles,
     lr_value, inv_bc1, inv_sqrt_bc2, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, wd, skey,
     M_CODEC: tl.constexpr, V_CODEC: tl.constexpr, UPDATE: tl.constexpr,
     DECOUPLED: tl.constexpr, LR_IS_TENSOR: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
     SR_DENSE: tl.constexpr, SR_IDX32: tl.constexpr, HW_CAST: tl.constexpr,
     QBLOCK: tl.constexpr, NB: tl.constexpr,
+    M_SMEM: tl.constexpr, V_SMEM: tl.constexpr, SMEM_WORDS: tl.constexpr,
 ):
     # Program i steps the tiles [i * tiles, (i + 1) * tiles) of the tile table, in order:
     # fewer, longer programs (measured 3-7% faster than one tile per program for the
@@ -610,17 +664,77 @@ def _adamw_lowbit_kernel(
     tab_v = tables_ptr + V_CODEC * _K_TABLE_SIZE
     etab_m = enc_tables_ptr + M_CODEC * _K_ENC_ROW
     etab_v = enc_tables_ptr + V_CODEC * _K_ENC_ROW
+    if SMEM_WORDS > 0:
+        _smem_tables_store(smem_image_ptr, SMEM_WORDS)
     for t in range(t0, t_end):
         _step_tile(tiles_ptr, t, meta_ptr, grad_offsets_ptr, tab_m, tab_v, etab_m, etab_v,
                    p_base, g_base, m_base, v_base, ms_base, vs_base, x_base,
                    step_size, decay, inv_sqrt_bc2, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
                    wd, skey, M_CODEC, V_CODEC, UPDATE, DECOUPLED, ALIGNED, EVEN, SR_DENSE, SR_IDX32,
-                   HW_CAST, QBLOCK, NB, CBLOCK)
+                   HW_CAST, QBLOCK, NB, CBLOCK, M_SMEM, V_SMEM)
 
 
 # ----------------------------------------------------------------------------------------
 # Host side: the tensors of one step, and the cached launch over many of them
 # ----------------------------------------------------------------------------------------
+# Shared-memory code tables (GPU launches). The kernel's shared memory starts with a gap
+# left to Triton's own scratch: layout conversions inside the tile loop (block maxima,
+# packed 4-bit codes, fp32 weights), which convert at most one tile of 4-byte values, so
+# the gap is 4 bytes per element of a program's tile (tests/test_optim_kernels.py compiles
+# every family and checks Triton's own need against it). The tables follow, one dynamic-tree
+# codec after the other: value table (2**M words), midpoints (2**M words), encode window
+# (bytes; the 4-bit map's 256 buckets as int32 words, as ``_dyn_encode`` reads them).
+
+
+def smem_gap(tile_elems: int) -> int:
+    """Bytes at the start of the kernel's shared memory left to Triton's own scratch."""
+    return 4 * tile_elems
+
+
+def _smem_section_bytes(codec: int) -> int:
+    if codec not in DYN_MAGNITUDE_BITS:
+        return 0
+    window = ENC_WINDOW[codec]
+    return 8 * (1 << DYN_MAGNITUDE_BITS[codec]) + window * (4 if window <= 256 else 1)
+
+
+def smem_layout(m_codec: int, v_codec: int, tile_elems: int) -> tuple[int, int, int]:
+    """(byte offset of m's tables, of v's tables, words of the image) for programs of
+    ``tile_elems`` elements: -1 for a codec without tables, and (-1, -1, 0) when neither
+    moment has any (no shared memory for tables)."""
+    gap = smem_gap(tile_elems)
+    offsets, end = [], gap
+    for codec in (m_codec, v_codec):
+        size = _smem_section_bytes(codec)
+        offsets.append(end if size else -1)
+        end += -(-size // 16) * 16
+    if end == gap:
+        return -1, -1, 0
+    return offsets[0], offsets[1], triton.next_power_of_2(end // 4)
+
+
+@functools.lru_cache(maxsize=None)
+def smem_image(m_codec: int, v_codec: int, tile_elems: int, device: str) -> torch.Tensor:
+    """The int32 words ``_smem_tables_store`` copies into shared memory (``smem_layout``),
+    built from the same ``quant_maps`` tables the tl.gather path and the reference read."""
+    m_off, v_off, words = smem_layout(m_codec, v_codec, tile_elems)
+    image = torch.zeros(4 * max(words, 1), dtype=torch.uint8)
+    tables, enc = codec_tables("cpu"), encode_tables("cpu")
+    for codec, off in ((m_codec, m_off), (v_codec, v_off)):
+        if off < 0:
+            continue
+        nmag, window = 1 << DYN_MAGNITUDE_BITS[codec], ENC_WINDOW[codec]
+        lut = tables[codec, TABLE_LUT:TABLE_LUT + nmag]
+        mid = tables[codec, TABLE_MID:TABLE_MID + nmag]
+        image[off:off + 8 * nmag] = torch.cat([lut, mid]).view(torch.uint8)
+        low = enc_size(codec) - window
+        buckets = enc[codec, low:low + window]
+        if window <= 256:
+            buckets = buckets.to(torch.int32).view(torch.uint8)
+        image[off + 8 * nmag:off + 8 * nmag + buckets.numel()] = buckets
+    return image.view(torch.int32).to(device)
+
+
 @dataclasses.dataclass(frozen=True)
 class AdamWConfig:
     """What the kernel is compiled for: one launch family."""
@@ -746,6 +860,12 @@ class FusedAdamW:
         self.tiles_per_program = TILES_PLAIN if cfg.m_codec == CODEC_NONE else TILES_QUANTIZED
         self.tables = codec_tables(str(self.device))
         self.enc_tables = encode_tables(str(self.device))
+        # Tables in shared memory once per program on the GPU; tl.gather under the interpreter.
+        tile_elems = self.nb * cfg.block
+        self.smem = (-1, -1, 0) if interpreting() else smem_layout(cfg.m_codec, cfg.v_codec, tile_elems)
+        self.smem_image = (smem_image(cfg.m_codec, cfg.v_codec, tile_elems, str(self.device))
+                           if self.smem[2] else self.tables)
+        self._smem_checked = False
         self._grad_ptrs: list[int] = []
         self._grad_base: Optional[torch.Tensor] = None
         self._grad_offsets = torch.zeros(len(tensors), dtype=torch.int64, device=self.device)
@@ -808,13 +928,26 @@ class FusedAdamW:
         lr_tensor = hyper.lr if lr_is_tensor else self.tables
         lr_value = 0.0 if lr_is_tensor else float(hyper.lr)
         tiles = self.tiles_per_program
-        _adamw_lowbit_kernel[(triton.cdiv(self.n_tiles, tiles),)](
-            self.tiles, self.meta, self._grad_offsets, self.tables, self.enc_tables, lr_tensor,
+        m_smem, v_smem, smem_words = self.smem
+        kernel = _adamw_lowbit_kernel[(triton.cdiv(self.n_tiles, tiles),)](
+            self.tiles, self.meta, self._grad_offsets, self.tables, self.enc_tables, self.smem_image, lr_tensor,
             self.bases[0], self._grad_base, *self.bases[1:], self.n_tiles, tiles,
             lr_value, s["inv_bc1"], s["inv_sqrt_bc2"], s["beta1"], s["one_minus_beta1"],
             s["beta2"], s["one_minus_beta2"], s["eps"], s["wd"], s["skey"],
             M_CODEC=cfg.m_codec, V_CODEC=cfg.v_codec, UPDATE=cfg.weight_update,
             DECOUPLED=cfg.decoupled, LR_IS_TENSOR=lr_is_tensor,
             ALIGNED=self.aligned, EVEN=self.even, SR_DENSE=self.sr_dense, SR_IDX32=self.sr_idx32,
-            HW_CAST=not interpreting(), QBLOCK=cfg.block, NB=self.nb, num_warps=self.num_warps,
+            HW_CAST=not interpreting(), QBLOCK=cfg.block, NB=self.nb,
+            M_SMEM=m_smem, V_SMEM=v_smem, SMEM_WORDS=smem_words, num_warps=self.num_warps,
         )
+        if smem_words and not self._smem_checked:
+            # The tables' shared memory is reserved by the identity gather in
+            # _smem_tables_store; a compiler that folded it away would leave them
+            # unreserved (checked once per plan, after its first launch).
+            reserved = kernel.metadata.shared
+            if reserved < 4 * smem_words:
+                raise RuntimeError(
+                    f"the fused AdamW kernel reserved {reserved} bytes of shared memory, less than "
+                    f"the {4 * smem_words} its code tables need (triton {triton.__version__}); "
+                    "this triton version is not supported by titan_lowbit's kernels")
+            self._smem_checked = True

@@ -20,6 +20,7 @@ triton wheel; use the GPU's triton version, e.g. with ``PYTHONPATH`` pointing at
 
     python3 scripts/sass_count.py --format 8bit 4bit --dtype bfloat16 --update stochastic
     python3 scripts/sass_count.py --format 4bit --dump /tmp/k.sass   # the SASS itself
+    python3 scripts/sass_count.py --check-scratch   # Triton's own shared memory vs the tables' gap
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def _signature(fmt, dtype: str, update: str) -> tuple[dict, dict]:
     extra = {"master": "fp32", "kahan": "bf16"}.get(update, wdt) if dtype == "bfloat16" else wdt
     sig = {
         "tiles_ptr": "*i32", "meta_ptr": "*i64", "grad_offsets_ptr": "*i64",
-        "tables_ptr": "*fp32", "enc_tables_ptr": "*u8", "lr_ptr": "*fp32",
+        "tables_ptr": "*fp32", "enc_tables_ptr": "*u8", "smem_image_ptr": "*i32", "lr_ptr": "*fp32",
         "p_base": f"*{wdt}", "g_base": f"*{wdt}", "m_base": f"*{state}", "v_base": f"*{state}",
         "ms_base": "*fp32", "vs_base": "*fp32", "x_base": f"*{extra}", "n_tiles": "i32",
         "tiles": "i32",
@@ -66,13 +67,25 @@ def _signature(fmt, dtype: str, update: str) -> tuple[dict, dict]:
     return sig, const
 
 
-def compile_family(fmt, dtype: str, update: str, elems: int, warps: int, arch: int, maxnreg=None):
+def _with_tables(const: dict, fmt, elems: int) -> dict:
+    """The shared-memory table layout constants of a launch family (as FusedAdamW sets them)."""
+    const.update(zip(("M_SMEM", "V_SMEM", "SMEM_WORDS"), K.smem_layout(fmt.m_codec, fmt.v_codec, elems)))
+    return const
+
+
+def compile_family(fmt, dtype: str, update: str, elems: int, warps: int, arch: int, maxnreg=None,
+                   **overrides):
+    """Compile one launch family for ``sm_{arch}`` (no GPU needed); ``overrides`` replace
+    compile-time constants (e.g. ``EVEN=False`` for the masked variant)."""
     sig, const = _signature(fmt, dtype, update)
     const["NB"] = max(1, elems // fmt.default_block)
+    _with_tables(const, fmt, elems)
+    const.update(overrides)
     for k in const:
         sig[k] = "constexpr"
     names = K._adamw_lowbit_kernel.arg_names
-    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v.startswith("*")}
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items()
+             if v.startswith("*") and const["ALIGNED"]}
     src = ASTSource(fn=K._adamw_lowbit_kernel, signature=sig, constexprs=const, attrs=attrs)
     target = GPUTarget("cuda", arch, 32)
     backend = triton.compiler.make_backend(target)
@@ -117,6 +130,35 @@ def count(sass: str) -> int:
     return n
 
 
+def check_scratch(arch: int) -> bool:
+    """Compile every family that keeps code tables in shared memory without the tables
+    (SMEM_WORDS=0) and compare the shared memory Triton then needs for itself (layout
+    conversions in the tile loop) with the gap the tables leave it (``smem_gap``). True if
+    every family fits; a family that does not would overwrite the tables."""
+    ok = True
+    print(f"{'format':>6} {'weights':>9} {'update':>10} {'aligned':>7} {'even':>5} {'block':>5} "
+          f"{'triton scratch':>14} {'gap':>6}")
+    for fname, fmt in STATE_FORMATS.items():
+        if K.smem_layout(fmt.m_codec, fmt.v_codec, 1024)[2] == 0:
+            continue
+        for dtype, update in (("float32", "nearest"), ("bfloat16", "nearest"), ("bfloat16", "stochastic"),
+                              ("bfloat16", "kahan"), ("bfloat16", "master")):
+            for aligned, even in ((True, True), (True, False), (False, True), (False, False)):
+                for block in sorted({fmt.default_block, 64}):
+                    cfg = K.AdamWConfig(fmt.m_codec, fmt.v_codec, False, block, K.WEIGHT_UPDATES[update],
+                                        True, getattr(torch, dtype), getattr(torch, dtype))
+                    elems, warps = K.launch_shape(cfg)
+                    cc = compile_family(fmt, dtype, update, elems, warps, arch, ALIGNED=aligned, EVEN=even,
+                                        SR_DENSE=even, SR_IDX32=even, QBLOCK=block, NB=max(1, elems // block),
+                                        SMEM_WORDS=0)
+                    gap = K.smem_gap(elems)
+                    fits = cc.metadata.shared <= gap
+                    ok &= fits
+                    print(f"{fname:>6} {dtype:>9} {update:>10} {aligned!s:>7} {even!s:>5} {block:>5} "
+                          f"{cc.metadata.shared:>14} {gap:>6}{'' if fits else '  OVERLAPS THE TABLES'}")
+    return ok
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--format", nargs="+", default=["8bit", "4bit"], choices=sorted(STATE_FORMATS))
@@ -127,8 +169,13 @@ def main() -> None:
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap passed to ptxas")
     ap.add_argument("--dump", default=None, help="write the SASS of the last configuration here")
+    ap.add_argument("--check-scratch", action="store_true",
+                    help="check that Triton's own shared memory stays below the code tables, for every family "
+                         "(exit 1 if not)")
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_{args.arch}")
+    if args.check_scratch:
+        sys.exit(0 if check_scratch(args.arch) else 1)
     print(f"{'format':>6} {'weights':>9} {'update':>10} {'elems x warps':>13} {'regs':>5} {'smem':>6} "
           f"{'SASS':>6} {'per elem':>9}")
     for fname in args.format:
@@ -140,7 +187,11 @@ def main() -> None:
                                     getattr(torch, dtype), getattr(torch, dtype))
                 elems, warps = K.launch_shape(cfg, args.elems, args.warps)
                 cc = compile_family(fmt, dtype, update, elems, warps, args.arch, args.maxnreg)
-                half = compile_family(fmt, dtype, update, elems // 2, warps, args.arch, args.maxnreg)
+                # the half-size program keeps the full one's shared-memory table layout, so
+                # the per-program table store is the same in both and drops out
+                layout = dict(zip(("M_SMEM", "V_SMEM", "SMEM_WORDS"),
+                                  K.smem_layout(fmt.m_codec, fmt.v_codec, elems)))
+                half = compile_family(fmt, dtype, update, elems // 2, warps, args.arch, args.maxnreg, **layout)
                 sass = sass_of(cc)
                 n, nh = count(sass), count(sass_of(half))
                 # per thread: elements / (32 * warps) of them, in registers

@@ -330,6 +330,59 @@ def test_blockwise_layout_rows_and_padding(codec, block):
         assert torch.all((codes[:, -1] >> 4) == zero_code)  # the pad nibble
 
 
+@pytest.mark.parametrize("fmt", ["8bit", "4bit"])
+@pytest.mark.parametrize("tile_elems", [512, 1024, 2048])
+def test_shared_memory_image_holds_the_tables_where_the_kernel_reads_them(fmt, tile_elems):
+    """On the GPU the kernel reads its code tables from shared memory (``_lookup`` with
+    SMEM >= 0): a codec's value of magnitude p at its offset + 4p, midpoint p at offset +
+    4 * 2**M + 4p, encode bucket i at offset + 8 * 2**M + i (bytes; the 4-bit map's as
+    int32 words at + 4i). The image ``_smem_tables_store`` copies there must hold the
+    same entries as the tables the interpreter's tl.gather and the reference read, past
+    the gap left to Triton's own scratch, inside the image, without overlaps."""
+    from titan_lowbit.optim.formats import STATE_FORMATS
+    f = STATE_FORMATS[fmt]
+    m_off, v_off, words = K.smem_layout(f.m_codec, f.v_codec, tile_elems)
+    image = K.smem_image(f.m_codec, f.v_codec, tile_elems, "cpu").view(torch.uint8)
+    assert image.numel() == 4 * words and words & (words - 1) == 0
+    tables, enc = Q.codec_tables("cpu"), Q.encode_tables("cpu")
+    spans = []
+    for codec, off in ((f.m_codec, m_off), (f.v_codec, v_off)):
+        if codec not in Q.DYN_MAGNITUDE_BITS:
+            assert off == -1
+            continue
+        nmag, window = 1 << Q.DYN_MAGNITUDE_BITS[codec], Q.ENC_WINDOW[codec]
+        words_at = lambda start, n: image[start:start + 4 * n].view(torch.int32)  # noqa: E731
+        assert torch.equal(words_at(off, nmag).view(torch.float32), tables[codec, Q.TABLE_LUT:Q.TABLE_LUT + nmag])
+        assert torch.equal(words_at(off + 4 * nmag, nmag).view(torch.float32),
+                           tables[codec, Q.TABLE_MID:Q.TABLE_MID + nmag])
+        low = Q.enc_size(codec) - window
+        want = enc[codec, low:low + window]
+        if window <= 256:
+            got, end = words_at(off + 8 * nmag, window), off + 8 * nmag + 4 * window
+            assert torch.equal(got, want.to(torch.int32))
+        else:
+            got, end = image[off + 8 * nmag:off + 8 * nmag + window], off + 8 * nmag + window
+            assert torch.equal(got, want)
+        spans.append((off, end))
+    spans.sort()
+    assert spans and spans[0][0] >= K.smem_gap(tile_elems) and spans[-1][1] <= 4 * words
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert not image[:K.smem_gap(tile_elems)].any()  # the gap holds no table
+
+
+def test_triton_scratch_stays_below_the_shared_memory_tables():
+    """The tables live in shared memory for a program's life, but Triton does not know
+    they are there: its own scratch (layout conversions in the tile loop) must stay inside
+    the gap below them, or it would overwrite them between reads. Compiles every family
+    for sm_90 (no GPU needed) with the installed triton and checks."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "sass_count.py")
+    proc = subprocess.run([sys.executable, script, "--check-scratch"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "OVERLAPS" not in proc.stdout and proc.stdout.count("\n") > 40
+
+
 def test_optimizer_launch_plans_match_reference_path():
     """The optimizer's fused path (launch plans: families split into aligned/unaligned and
     whole-tile/ragged variants, cached tables, gradients re-uploaded when they move) gives
