@@ -131,10 +131,13 @@ def count(sass: str) -> int:
 
 
 def check_scratch(arch: int) -> bool:
-    """Compile every family that keeps code tables in shared memory without the tables
-    (SMEM_WORDS=0) and compare the shared memory Triton then needs for itself (layout
-    conversions in the tile loop) with the gap the tables leave it (``smem_gap``). True if
-    every family fits; a family that does not would overwrite the tables."""
+    """Compile every family that keeps code tables in shared memory with a 256-word image
+    instead of the tables (1 KB, below every gap; the tables' PTX names Triton's shared
+    memory, which a kernel without any does not declare, and a smaller image could be
+    gathered within a warp, without it) and compare the shared memory Triton then needs
+    (its own layout conversions in the tile loop, or the image's 1 KB) with the gap the
+    tables leave it (``smem_gap``). True if every family fits; a family that does not would
+    overwrite the tables."""
     ok = True
     print(f"{'format':>6} {'weights':>9} {'update':>10} {'aligned':>7} {'even':>5} {'block':>5} "
           f"{'triton scratch':>14} {'gap':>6}")
@@ -150,7 +153,7 @@ def check_scratch(arch: int) -> bool:
                     elems, warps = K.launch_shape(cfg)
                     cc = compile_family(fmt, dtype, update, elems, warps, arch, ALIGNED=aligned, EVEN=even,
                                         SR_DENSE=even, SR_IDX32=even, QBLOCK=block, NB=max(1, elems // block),
-                                        SMEM_WORDS=0)
+                                        SMEM_WORDS=256)
                     gap = K.smem_gap(elems)
                     fits = cc.metadata.shared <= gap
                     ok &= fits
