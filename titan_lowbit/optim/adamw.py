@@ -50,10 +50,15 @@ def _fixed_value(group: dict[str, Any], key: str) -> Any:
     return group[key]
 
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The plain local tensor the kernels update in place: a DTensor's local shard (without
     the overhead of ``to_local()``), and inside it the one inner tensor of a wrapper
     subclass (e.g. BitNet's training weight, whose own ``data_ptr()`` is 0)."""
+    if type(t) in _PLAIN_TYPES:  # the common case, checked for every parameter at every step
+        return t
     if isinstance(t, DTensor):
         t = t._local_tensor
     if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
@@ -731,6 +736,7 @@ class _StepPlan:
 
     def local_grads(self, opt: "LowBitAdamW") -> list[torch.Tensor]:
         out = []
+        strided = torch.strided
         for p, (dtype, shape) in zip(self.params, self.expect):
             g = p.grad
             if type(g) is DTensor:
@@ -738,7 +744,7 @@ class _StepPlan:
                     out.append(opt._check_grad(p))
                     continue
                 g = g._local_tensor
-            if g.dtype is not dtype or g.shape != shape or g.layout is not torch.strided or not g.is_contiguous():
+            if g.dtype is not dtype or g.layout is not strided or g.shape != shape or not g.is_contiguous():
                 raise_or_local = opt._check_grad(p)
                 if raise_or_local.dtype is not dtype:
                     raise TypeError(f"param '{opt._name(p)}': gradient dtype changed from {dtype} to "
