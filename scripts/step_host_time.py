@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Where a fused LowBitAdamW step's time goes: host preparation or GPU kernels.
+
+``bench_optimizer.py`` times each step between CUDA events after a host sync, so its
+ms/step holds the host's preparation of the step (Python: gradient checks, launch plans,
+pointer checks; Triton's launches), during which the GPU idles. This script prints, for
+the TinyLlama-1.1B parameter set with bf16 weights and stochastic rounding:
+
+- ``step() host``: wall time until ``opt.step()`` returns (the launches are asynchronous);
+- ``events around step()``: what ``bench_optimizer.py`` measures (sync, event, step, event);
+- ``kernels back to back``: the step's launches alone, queued behind each other (the GPU's
+  own time per step, as when the host runs ahead of the GPU in training).
+
+    python3 scripts/step_host_time.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+from bench_optimizer import make_params
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("step_host_time.py needs a CUDA GPU")
+    from titan_lowbit.kernels.adamw_lowbit import AdamWHyper
+    from titan_lowbit.optim import LowBitAdamW
+
+    for fmt in ("8bit", "4bit"):
+        params = make_params(torch.bfloat16, torch.Generator(device="cuda").manual_seed(0))
+        opt = LowBitAdamW(params, lr=1e-4, weight_decay=0.1, state_format=fmt, weight_update="stochastic",
+                          nonfinite_grad="ignore", seed=0)
+        for _ in range(5):
+            opt.step()
+        torch.cuda.synchronize()
+        host, around = [], []
+        for _ in range(30):
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            t0 = time.perf_counter()
+            opt.step()
+            t1 = time.perf_counter()
+            b.record()
+            torch.cuda.synchronize()
+            host.append((t1 - t0) * 1e3)
+            around.append(a.elapsed_time(b))
+        plans = [pl for launches, _ in opt._plans.values() for pl, _ in launches]
+        hyper = AdamWHyper(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=10)
+        kernels = []
+        for _ in range(30):
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for pl in plans:
+                pl.launch(hyper)  # fill the queue: time back-to-back kernels only
+            a.record()
+            for pl in plans:
+                pl.launch(hyper)
+            b.record()
+            torch.cuda.synchronize()
+            kernels.append(a.elapsed_time(b))
+        print(f"{fmt} stochastic: step() host {statistics.median(host):.3f} ms, events around step() "
+              f"{statistics.median(around):.3f} ms, kernels back to back {statistics.median(kernels):.3f} ms, "
+              f"plans {len(plans)}", flush=True)
+        del opt, params
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
