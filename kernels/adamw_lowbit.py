@@ -897,7 +897,7 @@ class FusedAdamW:
         """Point the plan at this step's gradients (uploading their offsets if they moved);
         False if their alignment does not fit this plan, so the caller can build one that
         fits."""
-        ptrs = [g.data_ptr() for g in grads]
+        ptrs = list(map(torch.Tensor.data_ptr, grads))
         if ptrs == self._grad_ptrs:
             return True
         if self.aligned and any(p % 64 for p in ptrs):

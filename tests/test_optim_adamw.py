@@ -347,6 +347,31 @@ def test_gradient_dtype_change_between_steps_is_an_error():
         opt.step()
 
 
+def test_gradient_that_turns_non_contiguous_between_steps_is_read_by_value():
+    """The step plan checks each step's gradients against the first step's in one pass
+    (dtype, layout, shape, contiguity); a gradient that is a transposed view at a later
+    step leaves that pass and is read as its contiguous copy: the fused kernel (the
+    interpreted Triton kernel without a GPU) makes the same update as with a contiguous
+    gradient of the same values. (Read as raw memory, the view would be its transpose.)"""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(3)
+    w0 = torch.randn(64, 80, generator=gen)
+    ws = [torch.nn.Parameter(w0.clone().to(dev)) for _ in range(2)]
+    opts = [LowBitAdamW([("w", w)], state_format="8bit", min_quantized_numel=0) for w in ws]
+    for opt in opts:
+        opt._use_fused = lambda t: True
+    for step in range(3):
+        g = torch.randn(64, 80, generator=gen).to(dev)
+        ws[0].grad = g.clone()
+        ws[1].grad = g.clone() if step == 0 else g.t().contiguous().t()  # a transposed view from step 1
+        assert ws[1].grad.is_contiguous() == (step == 0)
+        for opt in opts:
+            opt.step()
+    assert torch.equal(ws[0], ws[1])
+    for a, b in zip(opts[0].state[ws[0]].values(), opts[1].state[ws[1]].values()):
+        assert torch.equal(a, b)
+
+
 def _snapshot(opt):
     """Every parameter's bytes, every state tensor's bytes, and the group options."""
     raw = lambda t: t.detach().reshape(-1).contiguous().view(torch.uint8).clone()  # noqa: E731 (fp8 too)

@@ -51,6 +51,15 @@ def _fixed_value(group: dict[str, Any], key: str) -> Any:
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_GRAD, _DTYPE, _LAYOUT, _SHAPE = (operator.attrgetter(a) for a in ("grad", "dtype", "layout", "shape"))
+
+
+def _local_ptrs(tensors: list[torch.Tensor], plain: bool) -> list[int]:
+    """``_local(t).data_ptr()`` of every tensor (checked for every parameter at every step);
+    ``plain``: all are plain tensors or Parameters, read through one C-level map."""
+    if plain:
+        return list(map(torch.Tensor.data_ptr, tensors))
+    return [_local(t).data_ptr() for t in tensors]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -632,7 +641,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         if fam.launches is None:
             fam.launches, fam.launches_param_ptrs = self._plans.get(
                 (fam.group, fam.cfg, tuple(map(id, fam.params))), (None, None))
-        if fam.launches is not None and [_local(p).data_ptr() for p in fam.params] != fam.launches_param_ptrs:
+        if fam.launches is not None and _local_ptrs(fam.params, fam.plain) != fam.launches_param_ptrs:
             fam.launches = None  # a parameter's storage was replaced (p.data = ...): rebuild
         if fam.launches is not None:
             if all(pl.point_at([grads[i] for i in sel]) for pl, sel in fam.launches):
@@ -647,7 +656,7 @@ class LowBitAdamW(torch.optim.Optimizer):
             (FusedAdamW(cfg, [tensors[i] for i in sel[c:c + MAX_TENSORS_PER_LAUNCH]], **self.launch_options),
              sel[c:c + MAX_TENSORS_PER_LAUNCH])
             for sel in variants.values() for c in range(0, len(sel), MAX_TENSORS_PER_LAUNCH)]
-        fam.launches_param_ptrs = [_local(p).data_ptr() for p in fam.params]
+        fam.launches_param_ptrs = _local_ptrs(fam.params, fam.plain)
         self._plans[(fam.group, cfg, tuple(map(id, fam.params)))] = (fam.launches, fam.launches_param_ptrs)
         for pl, sel in fam.launches:
             if not pl.point_at([grads[i] for i in sel]):
@@ -716,6 +725,15 @@ class _Family:
     launches: Optional[list] = None  # [(FusedAdamW, positions in params)], built on first use
     launches_param_ptrs: Optional[list[int]] = None  # parameter storage the launches point at
 
+    @property
+    def plain(self) -> bool:
+        """All parameters are plain tensors or Parameters (no DTensor or wrapper subclass)."""
+        if self._plain is None:
+            self._plain = all(type(p) in _PLAIN_TYPES for p in self.params)
+        return self._plain
+
+    _plain: Optional[bool] = None
+
 
 @dataclasses.dataclass
 class _StepPlan:
@@ -731,10 +749,25 @@ class _StepPlan:
     all_params: bool
     step_index: torch.Tensor
 
+    def __post_init__(self) -> None:
+        # For local_grads' fast path: plain parameters (no DTensor or wrapper subclass),
+        # and what their gradients must look like, as lists compared in one go.
+        self.plain = all(type(p) in _PLAIN_TYPES for p in self.params)
+        self.dtypes = [dtype for dtype, _ in self.expect]
+        self.shapes = [shape for _, shape in self.expect]
+        self.layouts = [torch.strided] * len(self.params)
+
     def same_params(self, with_grad: list[torch.Tensor]) -> bool:
         return len(with_grad) == len(self.params) and all(map(operator.is_, with_grad, self.params))
 
     def local_grads(self, opt: "LowBitAdamW") -> list[torch.Tensor]:
+        if self.plain:
+            # The common case in one pass per property, each a C-level map (about 30% less
+            # host time than the loop below, which runs if anything does not match).
+            grads = list(map(_GRAD, self.params))
+            if (list(map(_DTYPE, grads)) == self.dtypes and list(map(_LAYOUT, grads)) == self.layouts
+                    and list(map(_SHAPE, grads)) == self.shapes and all(map(torch.Tensor.is_contiguous, grads))):
+                return grads
         out = []
         strided = torch.strided
         for p, (dtype, shape) in zip(self.params, self.expect):
