@@ -630,7 +630,10 @@ def _step_tile(tiles_ptr, t, meta_ptr, grad_offsets_ptr, tab_m, tab_v, etab_m, e
         _st(pptr, _bf16_rne(p_new, HW_CAST), emask, EVEN)
 
 
-@triton.jit
+# skey changes at every step: without do_not_specialize, Triton compiles a second variant
+# (skey divisible by 16) at the first step whose key is, a stall of about a second in the
+# middle of a run.
+@triton.jit(do_not_specialize=["skey"])
 def _adamw_lowbit_kernel(
     tiles_ptr, meta_ptr, grad_offsets_ptr, tables_ptr, enc_tables_ptr, smem_image_ptr, lr_ptr,
     p_base, g_base, m_base, v_base, ms_base, vs_base, x_base, n_tiles, tiles,
