@@ -126,6 +126,10 @@ _K_GOLDEN32 = tl.constexpr(GOLDEN32)
 _K_TILE_BITS = tl.constexpr(TILE_BITS)
 _K_TILE_MASK = tl.constexpr((1 << TILE_BITS) - 1)
 _K_ENC_ROW = tl.constexpr(ENC_ROW)
+# Encode windows of at most this many buckets are held as int32 words (in shared memory,
+# and in the launch's table image): their reads then need no byte extraction.
+ENC_WORDS_MAX = 256
+_K_ENC_WORDS_MAX = tl.constexpr(ENC_WORDS_MAX)
 # per dynamic-tree codec: magnitude bits M and 2**M magnitudes; encode buckets (shift,
 # table size, shared-memory window)
 _K_DYN8S_M = tl.constexpr(DYN_MAGNITUDE_BITS[CODEC_DYN8_SIGNED])
@@ -314,8 +318,7 @@ def _dyn_encode(x, tab, etab, M: tl.constexpr, NMAG: tl.constexpr, SIGNED: tl.co
     idx = (bits >> SHIFT) & (SIZE - 1)
     if LOW > 0:
         idx = tl.maximum(idx - LOW, 0)  # the shared-memory window
-    # A window of at most 256 buckets goes to shared memory as int32 words (1 KB).
-    cand = _lookup(etab + LOW, idx, WINDOW, WINDOW <= 256, SMEM, 8 * NMAG).to(tl.int32)
+    cand = _lookup(etab + LOW, idx, WINDOW, WINDOW <= _K_ENC_WORDS_MAX, SMEM, 8 * NMAG).to(tl.int32)
     p = cand + (tl.abs(x) > _lookup(tab + _K_TABLE_MID, cand, NMAG, False, SMEM, 4 * NMAG)).to(tl.int32)
     if SIGNED:
         p = p | ((x < 0).to(tl.int32) << M)
@@ -694,11 +697,15 @@ def smem_gap(tile_elems: int) -> int:
     return 4 * tile_elems
 
 
+def enc_window_entry_bytes(codec: int) -> int:
+    """Bytes per bucket of a codec's encode window as the kernel reads it (ENC_WORDS_MAX)."""
+    return 4 if ENC_WINDOW[codec] <= ENC_WORDS_MAX else 1
+
+
 def _smem_section_bytes(codec: int) -> int:
     if codec not in DYN_MAGNITUDE_BITS:
         return 0
-    window = ENC_WINDOW[codec]
-    return 8 * (1 << DYN_MAGNITUDE_BITS[codec]) + window * (4 if window <= 256 else 1)
+    return 8 * (1 << DYN_MAGNITUDE_BITS[codec]) + ENC_WINDOW[codec] * enc_window_entry_bytes(codec)
 
 
 def smem_layout(m_codec: int, v_codec: int, tile_elems: int) -> tuple[int, int, int]:
@@ -732,7 +739,7 @@ def smem_image(m_codec: int, v_codec: int, tile_elems: int, device: str) -> torc
         image[off:off + 8 * nmag] = torch.cat([lut, mid]).view(torch.uint8)
         low = enc_size(codec) - window
         buckets = enc[codec, low:low + window]
-        if window <= 256:
+        if enc_window_entry_bytes(codec) == 4:
             buckets = buckets.to(torch.int32).view(torch.uint8)
         image[off + 8 * nmag:off + 8 * nmag + buckets.numel()] = buckets
     return image.view(torch.int32).to(device)

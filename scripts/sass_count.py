@@ -67,10 +67,9 @@ def _signature(fmt, dtype: str, update: str) -> tuple[dict, dict]:
     return sig, const
 
 
-def _with_tables(const: dict, fmt, elems: int) -> dict:
+def _table_constants(fmt, elems: int) -> dict:
     """The shared-memory table layout constants of a launch family (as FusedAdamW sets them)."""
-    const.update(zip(("M_SMEM", "V_SMEM", "SMEM_WORDS"), K.smem_layout(fmt.m_codec, fmt.v_codec, elems)))
-    return const
+    return dict(zip(("M_SMEM", "V_SMEM", "SMEM_WORDS"), K.smem_layout(fmt.m_codec, fmt.v_codec, elems)))
 
 
 def compile_family(fmt, dtype: str, update: str, elems: int, warps: int, arch: int, maxnreg=None,
@@ -79,7 +78,7 @@ def compile_family(fmt, dtype: str, update: str, elems: int, warps: int, arch: i
     compile-time constants (e.g. ``EVEN=False`` for the masked variant)."""
     sig, const = _signature(fmt, dtype, update)
     const["NB"] = max(1, elems // fmt.default_block)
-    _with_tables(const, fmt, elems)
+    const.update(_table_constants(fmt, elems))
     const.update(overrides)
     for k in const:
         sig[k] = "constexpr"
@@ -192,9 +191,8 @@ def main() -> None:
                 cc = compile_family(fmt, dtype, update, elems, warps, args.arch, args.maxnreg)
                 # the half-size program keeps the full one's shared-memory table layout, so
                 # the per-program table store is the same in both and drops out
-                layout = dict(zip(("M_SMEM", "V_SMEM", "SMEM_WORDS"),
-                                  K.smem_layout(fmt.m_codec, fmt.v_codec, elems)))
-                half = compile_family(fmt, dtype, update, elems // 2, warps, args.arch, args.maxnreg, **layout)
+                half = compile_family(fmt, dtype, update, elems // 2, warps, args.arch, args.maxnreg,
+                                      **_table_constants(fmt, elems))
                 sass = sass_of(cc)
                 n, nh = count(sass), count(sass_of(half))
                 # per thread: elements / (32 * warps) of them, in registers

@@ -508,7 +508,7 @@ class LowBitAdamW(torch.optim.Optimizer):
                                eps=group["eps"], weight_decay=group["weight_decay"], step=fam.step + 1)
             fam_grads = [grads[i] for i in fam.index]
             if self._use_fused(_local(fam.params[0])):
-                work.append((fam, hyper, self._fused_launches(fam, fam_grads), None))
+                work.append((fam, hyper, self._fused_launches(fam, fam_grads, plan.plain), None))
             else:
                 work.append((fam, hyper, None, ([self._kernel_tensor(p, fam.cfg) for p in fam.params], fam_grads)))
 
@@ -634,14 +634,15 @@ class LowBitAdamW(torch.optim.Optimizer):
                            block=block, weight_update=update, decoupled=bool(group["decoupled_weight_decay"]),
                            param_dtype=p.dtype, grad_dtype=grad.dtype)
 
-    def _fused_launches(self, fam: "_Family", grads: list[torch.Tensor]) -> list[FusedAdamW]:
+    def _fused_launches(self, fam: "_Family", grads: list[torch.Tensor], plain: bool) -> list[FusedAdamW]:
         """The cached plans of a family, pointed at this step's gradients, ready to launch
         (built on first use, and again whenever the set of parameters with gradients or
-        the gradients' alignment changes)."""
+        the gradients' alignment changes). ``plain``: the step plan's parameters are all
+        plain tensors (``_StepPlan.plain``)."""
         if fam.launches is None:
             fam.launches, fam.launches_param_ptrs = self._plans.get(
                 (fam.group, fam.cfg, tuple(map(id, fam.params))), (None, None))
-        if fam.launches is not None and _local_ptrs(fam.params, fam.plain) != fam.launches_param_ptrs:
+        if fam.launches is not None and _local_ptrs(fam.params, plain) != fam.launches_param_ptrs:
             fam.launches = None  # a parameter's storage was replaced (p.data = ...): rebuild
         if fam.launches is not None:
             if all(pl.point_at([grads[i] for i in sel]) for pl, sel in fam.launches):
@@ -656,7 +657,7 @@ class LowBitAdamW(torch.optim.Optimizer):
             (FusedAdamW(cfg, [tensors[i] for i in sel[c:c + MAX_TENSORS_PER_LAUNCH]], **self.launch_options),
              sel[c:c + MAX_TENSORS_PER_LAUNCH])
             for sel in variants.values() for c in range(0, len(sel), MAX_TENSORS_PER_LAUNCH)]
-        fam.launches_param_ptrs = _local_ptrs(fam.params, fam.plain)
+        fam.launches_param_ptrs = _local_ptrs(fam.params, plain)
         self._plans[(fam.group, cfg, tuple(map(id, fam.params)))] = (fam.launches, fam.launches_param_ptrs)
         for pl, sel in fam.launches:
             if not pl.point_at([grads[i] for i in sel]):
@@ -725,15 +726,6 @@ class _Family:
     launches: Optional[list] = None  # [(FusedAdamW, positions in params)], built on first use
     launches_param_ptrs: Optional[list[int]] = None  # parameter storage the launches point at
 
-    @property
-    def plain(self) -> bool:
-        """All parameters are plain tensors or Parameters (no DTensor or wrapper subclass)."""
-        if self._plain is None:
-            self._plain = all(type(p) in _PLAIN_TYPES for p in self.params)
-        return self._plain
-
-    _plain: Optional[bool] = None
-
 
 @dataclasses.dataclass
 class _StepPlan:
@@ -750,8 +742,9 @@ class _StepPlan:
     step_index: torch.Tensor
 
     def __post_init__(self) -> None:
-        # For local_grads' fast path: plain parameters (no DTensor or wrapper subclass),
-        # and what their gradients must look like, as lists compared in one go.
+        # For the fast paths of local_grads and the launches' pointer checks: plain
+        # parameters (no DTensor or wrapper subclass), and what their gradients must look
+        # like, as lists compared in one go.
         self.plain = all(type(p) in _PLAIN_TYPES for p in self.params)
         self.dtypes = [dtype for dtype, _ in self.expect]
         self.shapes = [shape for _, shape in self.expect]
