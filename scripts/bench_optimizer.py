@@ -12,7 +12,12 @@ device-to-device copy measured in the same run.
     python3 scripts/bench_optimizer.py --sweep         # also launch-shape variants of LowBitAdamW
 
 Weights and gradients are random (never zeros). Times: median of --steps steps after
---warmup steps, each timed with CUDA events. State bytes: torch.cuda.memory_allocated()
+--warmup steps, each timed with CUDA events after a host sync, so the step's host
+preparation (Python, kernel launches) counts while the GPU waits for it. A second figure,
+"queued", times --steps steps issued back to back between two events (divided by the
+count): the host prepares step i+1 while the GPU runs step i, as in training, where the
+host runs ahead of the GPU. Optimizers that sync inside their step (the non-finite check)
+get the same figure both ways. State bytes: torch.cuda.memory_allocated()
 after minus before building the optimizer and running its first step (lazy optimizers
 create state there; for LowBitAdamW this includes its launch tables).
 """
@@ -79,6 +84,21 @@ def time_steps(opt, steps: int, warmup: int) -> float:
         b.record()
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def time_queued_steps(opt, steps: int, rounds: int = 3) -> float:
+    """ms per step of ``steps`` steps issued back to back (median of ``rounds`` rounds)."""
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(steps):
+            opt.step()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / steps)
     return statistics.median(times)
 
 
@@ -175,6 +195,7 @@ def main() -> None:
             torch.cuda.synchronize()
             state_bytes = (torch.cuda.memory_allocated() - before) / n
             ms = time_steps(opt, args.steps, args.warmup)
+            ms_queued = time_queued_steps(opt, args.steps)
         except Exception as e:  # noqa: BLE001 -- one failing row must not hide the others
             print(f"{spec['label']}: FAILED {type(e).__name__}: {e}", flush=True)
             del params
@@ -190,10 +211,12 @@ def main() -> None:
         tbps = min_bytes * n / (ms / 1e3) / 1e12
         row = dict(label=spec["label"], dtype=str(spec["dtype"]).removeprefix("torch."), update=spec["update"],
                    min_bytes=min_bytes, ms=ms, tbps=tbps, pct=100 * tbps * 1e12 / bw, state=state_bytes,
+                   ms_queued=ms_queued, pct_queued=100 * min_bytes * n / (ms_queued / 1e3) / bw,
                    setup=time.time() - t0)
         rows.append(row)
         print(f"{row['label']:<55} {row['dtype']:<9} {row['update']:<10} {min_bytes:6.2f} B/param "
-              f"{ms:8.2f} ms {tbps:5.2f} TB/s {row['pct']:5.1f}% state {state_bytes:6.3f} B/param "
+              f"{ms:8.2f} ms {tbps:5.2f} TB/s {row['pct']:5.1f}% state {state_bytes:6.3f} B/param; "
+              f"queued {ms_queued:.2f} ms {row['pct_queued']:5.1f}% "
               f"(setup+first step {row['setup']:.1f} s)", flush=True)
         del opt, params
         gc.collect()
@@ -203,11 +226,12 @@ def main() -> None:
     print(f"Device: {dev}, torch {torch.__version__}, triton {triton.__version__}; "
           f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write); {n / 1e9:.3f}B params")
     print()
-    print("| optimizer | weights | bf16 update | min bytes/param | ms/step | TB/s | % of copy bw | state B/param |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| optimizer | weights | bf16 update | min bytes/param | ms/step | TB/s | % of copy bw | state B/param "
+          "| queued ms/step | queued % of copy bw |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['label']} | {r['dtype']} | {r['update']} | {r['min_bytes']:.2f} | {r['ms']:.2f} | "
-              f"{r['tbps']:.2f} | {r['pct']:.0f}% | {r['state']:.3f} |")
+              f"{r['tbps']:.2f} | {r['pct']:.0f}% | {r['state']:.3f} | {r['ms_queued']:.2f} | {r['pct_queued']:.0f}% |")
 
 
 if __name__ == "__main__":

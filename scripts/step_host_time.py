@@ -9,7 +9,9 @@ the TinyLlama-1.1B parameter set with bf16 weights and stochastic rounding:
 - ``step() host``: wall time until ``opt.step()`` returns (the launches are asynchronous);
 - ``events around step()``: what ``bench_optimizer.py`` measures (sync, event, step, event);
 - ``kernels back to back``: the step's launches alone, queued behind each other (the GPU's
-  own time per step, as when the host runs ahead of the GPU in training).
+  own time per step, as when the host runs ahead of the GPU in training);
+- ``launch host``: host time of one launch, direct (the plan's cached compiled kernel) and
+  through Triton's ``JITFunction.run`` (the cache emptied before each launch).
 
     python3 scripts/step_host_time.py
 """
@@ -64,9 +66,23 @@ def main() -> None:
             b.record()
             torch.cuda.synchronize()
             kernels.append(a.elapsed_time(b))
+        launch_us = {}
+        for how in ("direct", "triton"):
+            times = []
+            for _ in range(30):
+                torch.cuda.synchronize()
+                for pl in plans:
+                    if how == "triton":
+                        pl._compiled = None
+                    t0 = time.perf_counter()
+                    pl.launch(hyper)
+                    times.append((time.perf_counter() - t0) * 1e6)
+            launch_us[how] = statistics.median(times)
+        torch.cuda.synchronize()
         print(f"{fmt} stochastic: step() host {statistics.median(host):.3f} ms, events around step() "
               f"{statistics.median(around):.3f} ms, kernels back to back {statistics.median(kernels):.3f} ms, "
-              f"plans {len(plans)}", flush=True)
+              f"plans {len(plans)}, launch host {launch_us['direct']:.0f} us direct / "
+              f"{launch_us['triton']:.0f} us through triton", flush=True)
         del opt, params
         torch.cuda.empty_cache()
 

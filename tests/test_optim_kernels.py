@@ -130,8 +130,15 @@ def _run(fmt, pdtype, update, decoupled=True, lr_tensor=False, grad_dtype=None, 
         assert plan.n_tiles > 2 * tiles and (tiles == 1 or plan.n_tiles % tiles), plan.n_tiles
     plan.step(grads, hyper)
     R.adamw_step_reference(cfg, ref, grads, hyper)
+    _assert_matches_reference(cfg, ts, ref, f"{fmt} {pdtype} update={update}")
+
+
+def _assert_matches_reference(cfg, ts, ref, label):
+    """Kernel-stepped tensors ``ts`` against reference-stepped ``ref``: bit for bit under
+    the interpreter, to the GPU tolerances of the module docstring on a GPU."""
+    mc, vc, pdtype = cfg.m_codec, cfg.v_codec, cfg.param_dtype
     for a, b in zip(ts, ref):
-        where = f"{fmt} {pdtype} update={update} shape={tuple(a.param.shape)}"
+        where = f"{label} shape={tuple(a.param.shape)}"
         for name in ("exp_avg", "exp_avg_sq"):
             x, y = getattr(a, name), getattr(b, name)
             if mc == Q.CODEC_NONE:
@@ -153,6 +160,46 @@ def _run(fmt, pdtype, update, decoupled=True, lr_tensor=False, grad_dtype=None, 
             torch.testing.assert_close(a.param.float(), b.param.float(), rtol=tol, atol=1e-6, msg=where)
             if a.extra is not None:
                 torch.testing.assert_close(a.extra.float(), b.extra.float(), rtol=1e-2, atol=1e-5, msg=where)
+
+
+def test_launch_cache_follows_what_triton_specializes_on():
+    """After its first launch a plan launches the kernel Triton compiled for it directly;
+    an lr tensor of another dtype, a gradient base of another alignment or an int
+    hyperparameter must not reuse a kernel compiled for something else (on a GPU an fp32
+    kernel reading an fp64 lr, or an i32 weight decay, gives wrong updates). Every step
+    is compared with the reference."""
+    fmt = "8bit"
+    mc, vc, block = FORMATS[fmt]
+    cfg = K.AdamWConfig(mc, vc, False, block, K.UPDATE_STOCHASTIC, True, torch.bfloat16, torch.bfloat16)
+    gen = torch.Generator().manual_seed(7)
+    ts = [_make(cfg, s, gen) for s in SHAPES]
+    ref = [_clone(t) for t in ts]
+    numel = [t.param.numel() for t in ts]
+    plan = K.FusedAdamW(cfg, ts, elems_per_program=512, num_warps=4)
+    assert not plan.aligned  # ragged rows: any gradient alignment joins this plan
+    flat = torch.empty(sum(numel) + 64, dtype=torch.bfloat16, device=DEV)
+    steps = [  # (gradient offset in elements, lr, weight decay)
+        (0, 3e-3, 0),
+        (1, torch.tensor(2e-3, device=DEV), 0.1),
+        (1, torch.tensor(2e-3, dtype=torch.float64, device=DEV), 0.1),
+        (8, torch.tensor(1e-3, dtype=torch.bfloat16, device=DEV), 0),
+        (0, 3e-3, 0.1),
+    ]
+    keys = set()
+    for step, (off, lr, wd) in enumerate(steps, start=1):
+        flat.copy_(torch.randn(flat.shape, generator=gen).to(torch.bfloat16))  # fresh values every step
+        grads, at = [], off
+        for t, n in zip(ts, numel):
+            grads.append(flat[at:at + n].view(t.param.shape))
+            at += n
+        hyper = K.AdamWHyper(lr=lr, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=wd, step=step)
+        assert plan.step(grads, hyper)
+        R.adamw_step_reference(cfg, ref, [g.clone() for g in grads], hyper)
+        _assert_matches_reference(cfg, ts, ref, f"step {step} (offset {off}, lr {lr!r}, wd {wd!r})")
+        if CUDA:
+            keys.add(plan._compiled[0])
+    if CUDA:  # fp32 / fp64 / bf16 lr tensors, the tables' pointer as the float lr's stand-in
+        assert len(keys) >= 4, keys
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

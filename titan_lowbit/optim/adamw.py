@@ -10,6 +10,7 @@ Triton kernel on CUDA, its op-for-op PyTorch reference elsewhere.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import operator
@@ -52,6 +53,7 @@ def _fixed_value(group: dict[str, Any], key: str) -> Any:
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _GRAD, _DTYPE, _LAYOUT, _SHAPE = (operator.attrgetter(a) for a in ("grad", "dtype", "layout", "shape"))
+_NONES = itertools.repeat(None)  # compared with a list by operator.is_not in one C-level map
 
 
 def _local_ptrs(tensors: list[torch.Tensor], plain: bool) -> list[int]:
@@ -60,6 +62,15 @@ def _local_ptrs(tensors: list[torch.Tensor], plain: bool) -> list[int]:
     if plain:
         return list(map(torch.Tensor.data_ptr, tensors))
     return [_local(t).data_ptr() for t in tensors]
+
+
+def _picker(positions: list[int]):
+    """``lambda xs: [xs[i] for i in positions]`` as one C-level ``itemgetter`` call."""
+    if len(positions) == 1:
+        i = positions[0]
+        return lambda xs: [xs[i]]
+    get = operator.itemgetter(*positions)
+    return lambda xs: list(get(xs))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -491,10 +502,10 @@ class LowBitAdamW(torch.optim.Optimizer):
                 loss = closure()
 
         checked, self.grads_checked = self.grads_checked, False
-        plan = self._checked_plan()
+        plan, raw_grads = self._checked_plan()
         if plan is None:
             return loss
-        grads = plan.local_grads(self)
+        grads = plan.local_grads(self, raw_grads)
 
         # Everything a launch needs is prepared before the non-finite check's host sync
         # (plans, pointer checks, gradient-offset uploads, scalars), so that after the
@@ -506,7 +517,7 @@ class LowBitAdamW(torch.optim.Optimizer):
             group = self.param_groups[fam.group]
             hyper = AdamWHyper(lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
                                eps=group["eps"], weight_decay=group["weight_decay"], step=fam.step + 1)
-            fam_grads = [grads[i] for i in fam.index]
+            fam_grads = fam.pick(grads)
             if self._use_fused(_local(fam.params[0])):
                 work.append((fam, hyper, self._fused_launches(fam, fam_grads, plan.plain), None))
             else:
@@ -526,10 +537,6 @@ class LowBitAdamW(torch.optim.Optimizer):
 
         if self._master_pending:
             self._take_masters(plan.params)
-        if plan.all_params:
-            self._steps_buf.add_(1.0)
-        else:
-            self._steps_buf.index_add_(0, plan.step_index, torch.ones(len(plan.params)))
         for fam, hyper, launches, reference in work:
             fam.step += 1
             if launches is not None:
@@ -537,6 +544,12 @@ class LowBitAdamW(torch.optim.Optimizer):
                     pl.launch(hyper)
             else:
                 adamw_step_reference(fam.cfg, *reference, hyper)
+        # The step counts last: the kernels take theirs from the families (fam.step), and
+        # this host-side op then runs while the GPU steps.
+        if plan.all_params:
+            self._steps_buf.add_(1.0)
+        else:
+            self._steps_buf.index_add_(0, plan.step_index, torch.ones(len(plan.params)))
         return loss
 
     def find_nonfinite_grad(self) -> Optional[str]:
@@ -547,22 +560,29 @@ class LowBitAdamW(torch.optim.Optimizer):
         are finite or the check is off."""
         if self.nonfinite_grad == "ignore":
             return None
-        plan = self._checked_plan()
+        plan, raw_grads = self._checked_plan()
         if plan is None:
             return None
-        return self._nonfinite_param(plan.params, self._nonfinite_launch(plan.local_grads(self)))
+        return self._nonfinite_param(plan.params, self._nonfinite_launch(plan.local_grads(self, raw_grads)))
 
-    def _checked_plan(self) -> Optional["_StepPlan"]:
+    def _checked_plan(self) -> tuple[Optional["_StepPlan"], list]:
         """The step plan of the parameters that have gradients (None if none has), after
-        every group's options were checked."""
+        every group's options were checked, and those parameters' ``.grad`` as read now
+        (each read once per step: the common case, every parameter with a gradient and the
+        plan's parameters unchanged, runs as three C-level maps)."""
         self._check_groups()
-        with_grad = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if not with_grad:
-            return None
+        params = [p for group in self.param_groups for p in group["params"]]
+        grads = list(map(_GRAD, params))
         plan = self._step_plan
+        if (plan is not None and plan.all_params and plan.same_params(params)
+                and all(map(operator.is_not, grads, _NONES))):
+            return plan, grads
+        with_grad = [p for p, g in zip(params, grads) if g is not None]
+        if not with_grad:
+            return None, []
         if plan is None or not plan.same_params(with_grad):
             plan = self._step_plan = self._build_step_plan(with_grad)
-        return plan
+        return plan, [g for g in grads if g is not None]
 
     def count_skipped_step(self, where: str) -> None:
         """A step skipped for a non-finite gradient (nonfinite_grad='skip')."""
@@ -613,6 +633,8 @@ class LowBitAdamW(torch.optim.Optimizer):
             fam = families.setdefault(key, _Family(gi, key[1], key[3], [], []))
             fam.index.append(i)
             fam.params.append(p)
+        for fam in families.values():
+            fam.pick = _picker(fam.index)
         return _StepPlan(
             params=list(with_grad),
             expect=[(g.dtype, g.shape) for g in grads],
@@ -645,7 +667,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         if fam.launches is not None and _local_ptrs(fam.params, plain) != fam.launches_param_ptrs:
             fam.launches = None  # a parameter's storage was replaced (p.data = ...): rebuild
         if fam.launches is not None:
-            if all(pl.point_at([grads[i] for i in sel]) for pl, sel in fam.launches):
+            if all(pl.point_at(pick(grads)) for pl, pick in fam.launches):
                 return [pl for pl, _ in fam.launches]
         cfg = fam.cfg
         tensors = [self._kernel_tensor(p, cfg) for p in fam.params]
@@ -653,14 +675,14 @@ class LowBitAdamW(torch.optim.Optimizer):
         elems = self.launch_options.get("elems_per_program")
         for i, t in enumerate(tensors):
             variants.setdefault(FusedAdamW.variant(cfg, t, grads[i], elems), []).append(i)
-        fam.launches = [
-            (FusedAdamW(cfg, [tensors[i] for i in sel[c:c + MAX_TENSORS_PER_LAUNCH]], **self.launch_options),
-             sel[c:c + MAX_TENSORS_PER_LAUNCH])
-            for sel in variants.values() for c in range(0, len(sel), MAX_TENSORS_PER_LAUNCH)]
+        chunks = [sel[c:c + MAX_TENSORS_PER_LAUNCH]
+                  for sel in variants.values() for c in range(0, len(sel), MAX_TENSORS_PER_LAUNCH)]
+        fam.launches = [(FusedAdamW(cfg, [tensors[i] for i in sel], **self.launch_options), _picker(sel))
+                        for sel in chunks]
         fam.launches_param_ptrs = _local_ptrs(fam.params, plain)
         self._plans[(fam.group, cfg, tuple(map(id, fam.params)))] = (fam.launches, fam.launches_param_ptrs)
-        for pl, sel in fam.launches:
-            if not pl.point_at([grads[i] for i in sel]):
+        for pl, pick in fam.launches:
+            if not pl.point_at(pick(grads)):
                 raise RuntimeError("LowBitAdamW: a launch plan built for these gradients does not fit them")
         return [pl for pl, _ in fam.launches]
 
@@ -723,8 +745,9 @@ class _Family:
     step: int  # the family's step count before this step (bias correction, SR key)
     index: list[int]  # positions in the step plan's parameter list
     params: list[torch.Tensor]
-    launches: Optional[list] = None  # [(FusedAdamW, positions in params)], built on first use
+    launches: Optional[list] = None  # [(FusedAdamW, _picker of its positions in params)], built on first use
     launches_param_ptrs: Optional[list[int]] = None  # parameter storage the launches point at
+    pick: Any = None  # _picker(index), set once index is complete
 
 
 @dataclasses.dataclass
@@ -753,18 +776,19 @@ class _StepPlan:
     def same_params(self, with_grad: list[torch.Tensor]) -> bool:
         return len(with_grad) == len(self.params) and all(map(operator.is_, with_grad, self.params))
 
-    def local_grads(self, opt: "LowBitAdamW") -> list[torch.Tensor]:
+    def local_grads(self, opt: "LowBitAdamW", grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The local gradients the kernels read, from ``grads`` (the ``.grad`` of
+        ``self.params``, as ``_checked_plan`` read them): checked cheaply against what the
+        plan was built for, fully (with the errors) where anything differs."""
         if self.plain:
             # The common case in one pass per property, each a C-level map (about 30% less
             # host time than the loop below, which runs if anything does not match).
-            grads = list(map(_GRAD, self.params))
             if (list(map(_DTYPE, grads)) == self.dtypes and list(map(_LAYOUT, grads)) == self.layouts
                     and list(map(_SHAPE, grads)) == self.shapes and all(map(torch.Tensor.is_contiguous, grads))):
                 return grads
         out = []
         strided = torch.strided
-        for p, (dtype, shape) in zip(self.params, self.expect):
-            g = p.grad
+        for p, g, (dtype, shape) in zip(self.params, grads, self.expect):
             if type(g) is DTensor:
                 if g.placements != p.placements:
                     out.append(opt._check_grad(p))
