@@ -14,10 +14,11 @@ device-to-device copy measured in the same run.
 Weights and gradients are random (never zeros). Times: median of --steps steps after
 --warmup steps, each timed with CUDA events after a host sync, so the step's host
 preparation (Python, kernel launches) counts while the GPU waits for it. A second figure,
-"queued", times --steps steps issued back to back between two events (divided by the
-count): the host prepares step i+1 while the GPU runs step i, as in training, where the
-host runs ahead of the GPU. Optimizers that sync inside their step (the non-finite check)
-get the same figure both ways. State bytes: torch.cuda.memory_allocated()
+"queued", is the median of --steps steps after --warmup steps, each between its own CUDA
+events, issued back to back without a host sync: the host prepares step i+1 while the GPU
+runs step i, as in training, where the host runs ahead of the GPU; each step's events
+then hold its GPU time. Optimizers that sync inside their step (the non-finite check)
+show their host time in both. State bytes: torch.cuda.memory_allocated()
 after minus before building the optimizer and running its first step (lazy optimizers
 create state there; for LowBitAdamW this includes its launch tables).
 """
@@ -87,19 +88,21 @@ def time_steps(opt, steps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def time_queued_steps(opt, steps: int, rounds: int = 3) -> float:
-    """ms per step of ``steps`` steps issued back to back (median of ``rounds`` rounds)."""
-    times = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+def time_queued_steps(opt, steps: int, warmup: int) -> float:
+    """Median ms of ``steps`` steps, each between its own CUDA events, issued back to back
+    without a host sync between them: step i's events and kernels queue behind step
+    i-1's, so each measures the GPU's time for its step while the host prepares the next
+    (unless the host falls behind the GPU, when its preparation shows here too)."""
+    for _ in range(warmup):
+        opt.step()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    for a, b in events:
         a.record()
-        for _ in range(steps):
-            opt.step()
+        opt.step()
         b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / steps)
-    return statistics.median(times)
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in events)
 
 
 def row_specs(args) -> list[dict]:
@@ -195,7 +198,7 @@ def main() -> None:
             torch.cuda.synchronize()
             state_bytes = (torch.cuda.memory_allocated() - before) / n
             ms = time_steps(opt, args.steps, args.warmup)
-            ms_queued = time_queued_steps(opt, args.steps)
+            ms_queued = time_queued_steps(opt, args.steps, args.warmup)
         except Exception as e:  # noqa: BLE001 -- one failing row must not hide the others
             print(f"{spec['label']}: FAILED {type(e).__name__}: {e}", flush=True)
             del params
