@@ -135,7 +135,48 @@ def _scenarios(rank):
             o_ref.step()
         diffs[fmt] = (w_tp.full_tensor().float() - w_ref.float()).abs().max().item()
     res["col_shard_step_diff"] = diffs
+
+    # Gradients that leave the step plan's one-pass check of DTensor gradients (placements
+    # as the parameter's, local shards of the first step's dtype, shape and contiguity)
+    # take the per-parameter path: a Partial gradient of a Replicate parameter is reduced,
+    # a Shard(0) gradient whose local shard is a transposed view is read by value. The
+    # interpreted Triton kernel steps the DTensors, the reference the plain tensors.
+    from torch.distributed.tensor import Partial, Replicate
+
+    torch.manual_seed(5)
+    full_r, full_s = torch.randn(8, 512).to(torch.bfloat16), torch.randn(8, 512).to(torch.bfloat16)
+    w_r = nn.Parameter(distribute_tensor(full_r.clone(), mesh, [Replicate()]))
+    w_s = nn.Parameter(distribute_tensor(full_s.clone(), mesh, [Shard(0)]))
+    ref_r, ref_s = nn.Parameter(full_r.clone()), nn.Parameter(full_s.clone())
+    kw_g = dict(lr=1e-2, state_format="8bit", weight_update="stochastic", min_quantized_numel=0, seed=2)
+    o_d, o_p = LowBitAdamW([w_r, w_s], **kw_g), LowBitAdamW([ref_r, ref_s], **kw_g)
+    o_d._use_fused = lambda t: True
+    kinds = []
+    for step in range(3):
+        g_r, g_s = torch.randn(8, 512).to(torch.bfloat16), torch.randn(8, 512).to(torch.bfloat16)
+        if step == 1:  # each rank holds a part of the sum (exact in bf16: halves)
+            w_r.grad = DTensor.from_local(g_r * 0.5, mesh, [Partial()], run_check=False)
+        else:
+            w_r.grad = distribute_tensor(g_r, mesh, [Replicate()])
+        rows = g_s.chunk(WORLD)[rank]
+        local = rows.t().contiguous().t() if step == 2 else rows.clone()
+        w_s.grad = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+        kinds.append((str(w_r.grad.placements), w_s.grad._local_tensor.is_contiguous()))
+        ref_r.grad, ref_s.grad = g_r, g_s
+        o_d.step()
+        o_p.step()
+    res["grad_fallback_kinds"] = kinds
+    res["grad_fallback_plan_kind"] = o_d._step_plan.kind
+    res["grad_fallback_equal"] = (torch.equal(w_r.full_tensor(), ref_r.detach())
+                                  and torch.equal(w_s.full_tensor(), ref_s.detach()))
     return res
+
+
+def test_dtensor_gradients_that_leave_the_fast_check_are_reduced_or_copied(results):
+    assert results["grad_fallback_plan_kind"] == "dtensor"
+    assert [k for k, _ in results["grad_fallback_kinds"]][1] == "(Partial(sum),)"
+    assert [c for _, c in results["grad_fallback_kinds"]] == [True, True, False]
+    assert results["grad_fallback_equal"]
 
 
 @pytest.fixture(scope="module")
