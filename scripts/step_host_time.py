@@ -14,6 +14,9 @@ the TinyLlama-1.1B parameter set with bf16 weights and stochastic rounding:
   through Triton's ``JITFunction.run`` (the cache emptied before each launch).
 
     python3 scripts/step_host_time.py
+    python3 scripts/step_host_time.py --dtensor   # the parameters as DTensors (Shard(0) on a
+                                                  # one-GPU mesh, gradients on each parameter's
+                                                  # spec, as FSDP2 builds them)
 """
 
 from __future__ import annotations
@@ -27,14 +30,39 @@ import torch
 from bench_optimizer import make_params
 
 
+def as_dtensor(p: torch.nn.Parameter, mesh) -> torch.nn.Parameter:
+    """``p`` as a Shard(0) DTensor parameter on ``mesh``, its gradient built on the
+    parameter's own spec object (as FSDP2's reduce-scatter output is)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    d = torch.nn.Parameter(DTensor.from_local(p.detach(), mesh, [Shard(0)], run_check=False))
+    d.grad = DTensor(p.grad, d._spec, requires_grad=False)
+    return d
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("step_host_time.py needs a CUDA GPU")
     from titan_lowbit.kernels.adamw_lowbit import AdamWHyper
     from titan_lowbit.optim import LowBitAdamW
 
+    dtensor = "--dtensor" in sys.argv[1:]
+    mesh = None
+    if dtensor:
+        import os
+
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+        mesh = init_device_mesh("cuda", (1,))
+
     for fmt in ("8bit", "4bit"):
         params = make_params(torch.bfloat16, torch.Generator(device="cuda").manual_seed(0))
+        if dtensor:
+            params = [as_dtensor(p, mesh) for p in params]
         opt = LowBitAdamW(params, lr=1e-4, weight_decay=0.1, state_format=fmt, weight_update="stochastic",
                           nonfinite_grad="ignore", seed=0)
         for _ in range(5):
@@ -79,7 +107,7 @@ def main() -> None:
                     times.append((time.perf_counter() - t0) * 1e6)
             launch_us[how] = statistics.median(times)
         torch.cuda.synchronize()
-        print(f"{fmt} stochastic: step() host {statistics.median(host):.3f} ms, events around step() "
+        print(f"{'DTensor ' if dtensor else ''}{fmt} stochastic: step() host {statistics.median(host):.3f} ms, events around step() "
               f"{statistics.median(around):.3f} ms, kernels back to back {statistics.median(kernels):.3f} ms, "
               f"plans {len(plans)}, launch host {launch_us['direct']:.0f} us direct / "
               f"{launch_us['triton']:.0f} us through triton", flush=True)
