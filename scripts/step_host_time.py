@@ -13,7 +13,7 @@ the TinyLlama-1.1B parameter set with bf16 weights and stochastic rounding:
 - ``launch host``: host time of one launch, direct (the plan's cached compiled kernel) and
   through Triton's ``JITFunction.run`` (the cache emptied before each launch).
 
-    python3 scripts/step_host_time.py
+    python3 scripts/step_host_time.py [8bit|4bit|fp8|...]
     python3 scripts/step_host_time.py --dtensor   # the parameters as DTensors (Shard(0) on a
                                                   # one-GPU mesh, gradients on each parameter's
                                                   # spec, as FSDP2 builds them)
@@ -59,7 +59,8 @@ def main() -> None:
         dist.init_process_group("nccl", rank=0, world_size=1)
         mesh = init_device_mesh("cuda", (1,))
 
-    for fmt in ("8bit", "4bit"):
+    formats = [a for a in sys.argv[1:] if not a.startswith("--")] or ["8bit", "4bit"]
+    for fmt in formats:
         params = make_params(torch.bfloat16, torch.Generator(device="cuda").manual_seed(0))
         if dtensor:
             params = [as_dtensor(p, mesh) for p in params]
