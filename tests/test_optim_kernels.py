@@ -162,6 +162,41 @@ def _assert_matches_reference(cfg, ts, ref, label):
                 torch.testing.assert_close(a.extra.float(), b.extra.float(), rtol=1e-2, atol=1e-5, msg=where)
 
 
+def test_launch_passes_arguments_in_the_kernels_order(monkeypatch):
+    """FusedAdamW.launch passes every argument positionally (the direct launch of a
+    compiled kernel takes them so): the launch's argument list must name the kernel's
+    parameters in order. Checked by recording what a launch passes."""
+    import inspect
+
+    names = list(inspect.signature(K._adamw_lowbit_kernel.fn).parameters)
+    mc, vc, block = FORMATS["8bit"]
+    cfg = K.AdamWConfig(mc, vc, False, block, K.UPDATE_KAHAN, False, torch.bfloat16, torch.bfloat16)
+    ts = [_make(cfg, (3, 300), torch.Generator().manual_seed(0))]
+    plan = K.FusedAdamW(cfg, ts, elems_per_program=512, num_warps=4)
+    plan.point_at([torch.zeros_like(ts[0].param)])
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append(args)
+
+    interpreted = K.interpreting()
+    monkeypatch.setattr(K, "interpreting", lambda: interpreted)  # it looks at the kernel's type
+    monkeypatch.setattr(K, "_adamw_lowbit_kernel", Recorder())
+    try:
+        plan.launch(K.AdamWHyper(lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0, step=3))
+    except AttributeError:  # on a GPU the shared-memory check reads the recorder's (absent) metadata
+        pass
+    (args,) = seen
+    assert len(args) == len(names)
+    bound = dict(zip(names, args))
+    assert (bound["M_CODEC"], bound["V_CODEC"], bound["UPDATE"], bound["DECOUPLED"], bound["QBLOCK"],
+            bound["NB"]) == (mc, vc, K.UPDATE_KAHAN, False, block, plan.nb)
+    assert bound["g_base"] is plan._grad_base and bound["tiles_ptr"] is plan.tiles
+    assert bound["SMEM_WORDS"] == plan.smem[2] and bound["HW_CAST"] == (not K.interpreting())
+    assert isinstance(bound["wd"], float) and bound["skey"] == K.step_key(3)
+
+
 def test_launch_cache_follows_what_triton_specializes_on():
     """After its first launch a plan launches the kernel Triton compiled for it directly;
     an lr tensor of another dtype, a gradient base of another alignment or an int
