@@ -562,11 +562,13 @@ def int8_matmul_scaled(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
 
 def int8_matmul_scaled_reference(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor,
                                  b_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """Pure-PyTorch reference: exact integer product (int64 on CPU), same fp32 epilogue."""
+    """Pure-PyTorch reference: exact integer product, same fp32 epilogue.
+
+    The product is taken in fp64 on every device: each term is at most 127 * 127 and a sum
+    of K of them stays an integer below 2**53 for any K under 5 * 10**11, so every partial
+    sum is exact in whatever order BLAS adds them: the same int32 accumulator as the
+    kernel's. (An int64 matmul is just as exact, but on the CPU it has no BLAS and ran 40x
+    slower: about 105 ms against 2.5 ms for a 256 x 256 x 768 product on two cores.)"""
     _check(a, b, a_scale, b_scale, out_dtype)
-    if a.device.type == "cpu":
-        acc = (a.to(torch.int64) @ b.to(torch.int64).T).to(torch.float32)
-    else:
-        # Products of integers below 2**24 are exact in fp32 only per term; use fp64.
-        acc = (a.to(torch.float64) @ b.to(torch.float64).T).to(torch.float32)
+    acc = (a.to(torch.float64) @ b.to(torch.float64).T).to(torch.float32)
     return (acc * (a_scale[:, None] * b_scale.reshape(()))).to(out_dtype)

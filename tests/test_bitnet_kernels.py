@@ -243,6 +243,23 @@ def test_pack_pads_odd_columns_with_zero_codes(cols):
     assert bq.unpack_ternary(packed, cols, out=out) is out and torch.equal(out, t)
 
 
+def test_int8_matmul_reference_is_the_exact_integer_product():
+    """The reference's fp64 product equals an int64 one, with both operands over the whole
+    int8 range (not only ternary) and a K long enough that fp32 would round the sums."""
+    gen = torch.Generator().manual_seed(7)
+    m, n, k = 5, 3, 4099  # 127 * 127 * 4099 > 2**26
+    a = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=gen)
+    b = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+    a[0] = 127
+    b[0] = 127  # one sum of 127 * 127 * k: beyond fp32's exact integers
+    sa, sb = torch.ones(m), torch.ones(())
+    exact = a.to(torch.int64) @ b.to(torch.int64).T
+    out = mm.int8_matmul_scaled_reference(a, b, sa, sb, torch.float32)
+    assert torch.equal(out, exact.to(torch.float32))
+    assert torch.equal(mm.int8_matmul_scaled_reference(a.to(DEVICE), b.to(DEVICE), sa.to(DEVICE),
+                                                       sb.to(DEVICE), torch.float32).cpu(), out)
+
+
 @pytest.mark.parametrize("impl", ["pointer", "tma", "device_tma"])
 @pytest.mark.parametrize("out_dtype", FLOATS)
 @pytest.mark.parametrize("shape", MM_SHAPES)
