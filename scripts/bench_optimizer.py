@@ -73,26 +73,14 @@ def make_params(dtype: torch.dtype, gen: torch.Generator) -> list[torch.nn.Param
     return params
 
 
-def time_steps(opt, steps: int, warmup: int) -> float:
-    for _ in range(warmup):
-        opt.step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        opt.step()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def time_steps(opt, steps: int, warmup: int, queued: bool = False) -> float:
+    """Median ms of ``steps`` steps after ``warmup``, each between its own CUDA events.
 
-
-def time_queued_steps(opt, steps: int, warmup: int) -> float:
-    """Median ms of ``steps`` steps, each between its own CUDA events, issued back to back
-    without a host sync between them: step i's events and kernels queue behind step
-    i-1's, so each measures the GPU's time for its step while the host prepares the next
-    (unless the host falls behind the GPU, when its preparation shows here too)."""
+    Synced (default): a host sync before each step, so the step's host preparation counts
+    while the GPU waits for it. ``queued``: the steps issued back to back without a host
+    sync between them: step i's events and kernels queue behind step i-1's, so each
+    measures the GPU's time for its step while the host prepares the next (unless the host
+    falls behind the GPU, when its preparation shows here too)."""
     for _ in range(warmup):
         opt.step()
     torch.cuda.synchronize()
@@ -101,6 +89,8 @@ def time_queued_steps(opt, steps: int, warmup: int) -> float:
         a.record()
         opt.step()
         b.record()
+        if not queued:
+            torch.cuda.synchronize()
     torch.cuda.synchronize()
     return statistics.median(a.elapsed_time(b) for a, b in events)
 
@@ -198,7 +188,7 @@ def main() -> None:
             torch.cuda.synchronize()
             state_bytes = (torch.cuda.memory_allocated() - before) / n
             ms = time_steps(opt, args.steps, args.warmup)
-            ms_queued = time_queued_steps(opt, args.steps, args.warmup)
+            ms_queued = time_steps(opt, args.steps, args.warmup, queued=True)
         except Exception as e:  # noqa: BLE001 -- one failing row must not hide the others
             print(f"{spec['label']}: FAILED {type(e).__name__}: {e}", flush=True)
             del params
