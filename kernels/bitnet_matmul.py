@@ -564,11 +564,12 @@ def int8_matmul_scaled_reference(a: torch.Tensor, b: torch.Tensor, a_scale: torc
                                  b_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """Pure-PyTorch reference: exact integer product, same fp32 epilogue.
 
-    The product is taken in fp64 on every device: each term is at most 127 * 127 and a sum
-    of K of them stays an integer below 2**53 for any K under 5 * 10**11, so every partial
-    sum is exact in whatever order BLAS adds them: the same int32 accumulator as the
-    kernel's. (An int64 matmul is just as exact, but on the CPU it has no BLAS and ran 40x
-    slower: about 105 ms against 2.5 ms for a 256 x 256 x 768 product on two cores.)"""
+    The product is taken in fp64 on every device: each term is at most 128 * 128 = 2**14 in
+    magnitude, so a sum of K of them stays an integer below 2**53 for any K up to 2**39
+    (5 * 10**11), and every partial sum is exact in whatever order BLAS adds them: the
+    value of the kernel's int32 accumulator. (An int64 matmul is just as exact, but on the
+    CPU it has no BLAS and ran 40x slower: about 105 ms against 2.5 ms for a 256 x 256 x 768
+    product on two cores.)"""
     _check(a, b, a_scale, b_scale, out_dtype)
     acc = (a.to(torch.float64) @ b.to(torch.float64).T).to(torch.float32)
     return (acc * (a_scale[:, None] * b_scale.reshape(()))).to(out_dtype)

@@ -247,7 +247,7 @@ def test_int8_matmul_reference_is_the_exact_integer_product():
     """The reference's fp64 product equals an int64 one, with both operands over the whole
     int8 range (not only ternary) and a K long enough that fp32 would round the sums."""
     gen = torch.Generator().manual_seed(7)
-    m, n, k = 5, 3, 4099  # 127 * 127 * 4099 > 2**26
+    m, n, k = 5, 3, 4099  # 127 * 127 * 4099 > 2**24: fp32 holds integers exactly only below it
     a = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=gen)
     b = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
     a[0] = 127
