@@ -10,8 +10,14 @@ after every run, with a ``.json`` beside it) with the ratio to the fp32 AdamW ru
 same mesh. A variant that fails or runs past ``--timeout`` is recorded with the last
 lines of its log, and the next one starts.
 
+Multi-GPU tokens/s varies from run to run by more than the optimizers differ (on a 4-GPU
+2-D mesh the same fp32 run measured 5,750 and 4,096 tokens/s per GPU within minutes,
+the spread in NCCL's all-gather and reduce-scatter time), so ``--rounds R`` runs the whole
+variant list R times, in alternating order (forward, then backward, ...), and reports
+each variant's median over its rounds beside every round's figure.
+
     python scripts/scale_runs.py --ngpu 2 --out docs/scale_8b_2gpu.md          # llama3 8B
-    python scripts/scale_runs.py --ngpu 4 --tp 2 --variants fp32,8bit
+    python scripts/scale_runs.py --ngpu 4 --tp 2 --variants fp32,8bit --rounds 3
     python scripts/scale_runs.py --config train_configs/llama3_debug.toml --steps 4  # CPU
 """
 
@@ -21,6 +27,7 @@ import argparse
 import datetime
 import json
 import shlex
+import statistics
 import sys
 from pathlib import Path
 
@@ -58,6 +65,26 @@ def describe(name: str, config: dict) -> dict[str, str]:
     return {"optimizer": optimizer, "weights": weights, "converters": converters}
 
 
+def merge_rounds(name: str, runs: list[dict], base: dict) -> dict:
+    """One row per variant from its rounds: median tokens/s over the rounds that finished,
+    peak memory over all of them, the first finished round's losses; a failure when no
+    round finished (the first failure's text), a note when some did not."""
+    done = [r for r in runs if r.get("tps")]
+    row = {"variant": name, **base, "seconds": round(sum(r.get("seconds", 0) for r in runs), 1)}
+    if not done:
+        row["failure"] = runs[0]["failure"]
+        return row
+    row.update(done[0])
+    row["variant"] = name
+    row["tps"] = statistics.median(r["tps"] for r in done)
+    row["tps_rounds"] = [r.get("tps") for r in runs]
+    row["peak_gib"], row["peak_pct"] = max((r["peak_gib"], r["peak_pct"]) for r in done)
+    row["seconds"] = round(sum(r.get("seconds", 0) for r in runs), 1)  # all rounds
+    if failed := [r["failure"].splitlines()[0] for r in runs if not r.get("tps")]:
+        row["failed_rounds"] = failed
+    return row
+
+
 def table(rows: list[dict], header: list[str]) -> str:
     lines = [
         "| variant | GPUs | mesh | optimizer | weights / update | converters "
@@ -76,9 +103,35 @@ def table(rows: list[dict], header: list[str]) -> str:
         if base is not None:
             ratio = (f"memory {r['peak_gib'] / base['peak_gib']:.2f}x, "
                      f"tokens/s {r['tps'] / base['tps']:.3f}x")
-        lines.append(head + f"| {r['peak_gib']:.2f} ({r['peak_pct']:.1f}%) | {r['tps']:,.0f} "
+        tps = f"{r['tps']:,.0f}"
+        if len(r.get("tps_rounds", [])) > 1:
+            tps += " (" + ", ".join(f"{t:,.0f}" if t else "failed" for t in r["tps_rounds"]) + ")"
+        lines.append(head + f"| {r['peak_gib']:.2f} ({r['peak_pct']:.1f}%) | {tps} "
                             f"| {ratio} | {r['loss']:.4f} |")
     return "\n".join(header + [""] + lines) + "\n"
+
+
+def run_variant(name: str, tag: str, args, extra: list[str], gpus: int, budget: Budget) -> dict:
+    """One run of one variant: its figures, or why it has none."""
+    timeout = budget.timeout(args.timeout)
+    if timeout is None:
+        return {"failure": "not run: --budget spent"}
+    overrides = [
+        "--training.steps", str(args.steps), "--metrics.log_freq", "1",
+        "--validation.no-enable", "--checkpoint.no-enable",
+        "--parallelism.data_parallel_shard_degree", str(args.ngpu // args.tp),
+        "--parallelism.tensor_parallel_degree", str(args.tp),
+        "--job.dump_folder", str(args.logdir / tag), *variant_overrides(name), *extra,
+    ]
+    run = launch(args.config, overrides, args.ngpu, gpus, args.logdir / f"{tag}.log", timeout)
+    figures = summarize(parse_log(run.text()), args.warmup)
+    row = {"seconds": round(run.seconds, 1)}
+    if run.rc == 0 and figures and figures["last_step"] == args.steps:
+        row.update(figures)
+    else:
+        why = "timed out" if run.rc is None else f"exit {run.rc}"
+        row["failure"] = f"{why} after {run.seconds:.0f} s: {run.tail(6)}"
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma-separated, from {list(VARIANTS)}")
     p.add_argument("--extra", action="append", default=[],
                    help="torchtitan overrides for every run, one shell-quoted string")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="runs per variant, the variant order alternating between rounds")
     p.add_argument("--timeout", type=float, default=300, help="seconds per run")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds for all runs; later runs get what is left")
@@ -105,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     if not 0 <= args.warmup < args.steps:
         p.error(f"--warmup {args.warmup} must be below --steps {args.steps}")
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds} must be at least 1")
     if args.ngpu % args.tp:
         p.error(f"--ngpu {args.ngpu} is not a multiple of --tp {args.tp}")
     out = args.out or args.logdir / "scale.md"
@@ -115,43 +172,31 @@ def main(argv: list[str] | None = None) -> int:
     header = [
         f"# Scale runs: {args.config.name}, {mesh}", "",
         f"Measured {datetime.date.today()} with `python scripts/scale_runs.py "
-        f"{shlex.join(argv)}` ({versions()}). Each row is one run of `scripts/train.sh` "
-        f"for {args.steps} steps; tokens/s per GPU is the median of steps "
-        f"{args.warmup + 1}-{args.steps} (torchtitan's tps), peak memory is torchtitan's "
-        "max reserved memory over every step and rank.",
+        f"{shlex.join(argv)}` ({versions()}). Each row is "
+        + (f"{args.rounds} runs" if args.rounds > 1 else "one run")
+        + f" of `scripts/train.sh` for {args.steps} steps; tokens/s per GPU is the median "
+        f"of steps {args.warmup + 1}-{args.steps} (torchtitan's tps)"
+        + (", then the median over the rounds, which ran the variants in alternating "
+           "order (each round's figure in brackets, in round order)" if args.rounds > 1 else "")
+        + "; peak memory is torchtitan's max reserved memory over every step, rank and run.",
     ]
-    rows: list[dict] = []
-    for name in names:
-        timeout = budget.timeout(args.timeout)
-        row = {"variant": name, "ngpu": args.ngpu, "mesh": mesh, **describe(name, config)}
-        if timeout is None:
-            row["failure"] = "not run: --budget spent"
-        else:
-            overrides = [
-                "--training.steps", str(args.steps), "--metrics.log_freq", "1",
-                "--validation.no-enable", "--checkpoint.no-enable",
-                "--parallelism.data_parallel_shard_degree", str(args.ngpu // args.tp),
-                "--parallelism.tensor_parallel_degree", str(args.tp),
-                "--job.dump_folder", str(args.logdir / name), *variant_overrides(name), *extra,
-            ]
-            run = launch(args.config, overrides, args.ngpu, gpus, args.logdir / f"{name}.log",
-                         timeout)
-            figures = summarize(parse_log(run.text()), args.warmup)
-            row["seconds"] = round(run.seconds, 1)
-            if run.rc == 0 and figures and figures["last_step"] == args.steps:
-                row.update(figures)
-            else:
-                why = "timed out" if run.rc is None else f"exit {run.rc}"
-                row["failure"] = f"{why} after {run.seconds:.0f} s: {run.tail(6)}"
-        rows.append(row)
-        status = (f"{row['tps']:,.0f} tok/s/GPU, {row['peak_gib']:.2f} GiB" if row.get("tps")
-                  else row["failure"].splitlines()[0])
-        print(f"scale_runs: {name}: {status} ({row.get('seconds', 0):.0f} s)", flush=True)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(table(rows, header))
-        out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for k in range(args.rounds):
+        for name in (names if k % 2 == 0 else names[::-1]):
+            tag = name if args.rounds == 1 else f"{name}.r{k + 1}"
+            runs[name].append(run_variant(name, tag, args, extra, gpus, budget))
+            row = runs[name][-1]
+            status = (f"{row['tps']:,.0f} tok/s/GPU, {row['peak_gib']:.2f} GiB" if row.get("tps")
+                      else row["failure"].splitlines()[0])
+            print(f"scale_runs: {tag}: {status} ({row.get('seconds', 0):.0f} s)", flush=True)
+            base = {"ngpu": args.ngpu, "mesh": mesh}
+            rows = [merge_rounds(n, runs[n], {**base, **describe(n, config)})
+                    for n in names if runs[n]]
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(table(rows, header))
+            out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
     print(out.read_text())
-    return 0 if all(r.get("tps") for r in rows) else 1
+    return 0 if all(r.get("tps") for rs in runs.values() for r in rs) else 1
 
 
 if __name__ == "__main__":

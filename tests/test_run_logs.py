@@ -69,3 +69,27 @@ def test_parse_log_reads_thousands_and_wide_memory():
             "grad_norm:  1.2345  memory: 101.27GiB(72.85%)  tps: 4,321  tflops: 123.45  mfu: 12.49%")
     assert parse_log(line) == {3: {12: {"loss": 9.81234, "grad_norm": 1.2345, "gib": 101.27,
                                          "pct": 72.85, "tps": 4321.0}}}
+
+
+def test_scale_runs_merges_rounds_into_one_row():
+    from scale_runs import merge_rounds, table
+
+    def run(tps, gib, loss):
+        return {"seconds": 40.0, "steps": 4, "last_step": 4, "tps": tps, "tps_steps": 3,
+                "peak_gib": gib, "peak_pct": gib, "loss": loss, "losses": {4: loss}}
+
+    base = {"ngpu": 4, "mesh": "dp_shard 2 x tp 2", "optimizer": "AdamW8bit",
+            "weights": "fp32", "converters": "none"}
+    rounds = [run(4930.0, 32.0, 8.49), {"seconds": 5.0, "failure": "exit 1 after 5 s: boom"},
+              run(5086.0, 32.5, 8.50)]
+    row = merge_rounds("8bit", rounds, base)
+    assert row["tps"] == 5008.0 and row["tps_rounds"] == [4930.0, None, 5086.0]
+    assert row["peak_gib"] == 32.5 and row["loss"] == 8.49  # peak over rounds, first loss
+    assert row["seconds"] == 85.0 and row["failed_rounds"] == ["exit 1 after 5 s: boom"]
+    fp32 = merge_rounds("fp32", [run(5278.0, 42.75, 8.36), run(5286.0, 42.75, 8.36)], base)
+    failed = merge_rounds("bitnet_8bit", [{"failure": "timed out after 120 s: x"}], base)
+    assert "failure" in failed and "tps" not in failed
+    text = table([fp32, row, failed], ["# t"])
+    assert "| 5,282 (5,278, 5,286) | memory 1.00x, tokens/s 1.000x |" in text
+    assert "| 5,008 (4,930, failed, 5,086) | memory 0.76x, tokens/s 0.948x |" in text
+    assert "| failed | | | `timed out after 120 s: x` |" in text
