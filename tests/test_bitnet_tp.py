@@ -44,7 +44,7 @@ def _scenarios(rank):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from titan_lowbit.bitnet import CONVERTERS, convert_to_bitnet, enable_tensor_parallel
@@ -167,6 +167,33 @@ def _scenarios(rank):
         res.setdefault("tp_layers", enable_tensor_parallel(model, mesh["tp"]))
         run(f"fsdp_tp_{'pre' if precompute else 'nopre'}", model, conv, data_parallel=True)
 
+    # torchtitan's plan: the block's input is sequence-sharded, one PrepareModuleInput
+    # gathers it for w1 and w3, and w2's output is reduce-scattered back. BitNet must add
+    # only its row abs-max all-reduces to the collectives plain linears issue: x's for
+    # w2 forward, dy's for w1 and w3 backward (w1 and w3's dx stay one reduce-scatter).
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+
+    seq_plan = {"w1": ColwiseParallel(), "w3": ColwiseParallel(),
+                "w2": RowwiseParallel(output_layouts=Shard(1))}
+    res["comms"] = {}
+    for kind in ("linear", "bitnet"):
+        model, conv = _FeedForward(), _CountingConverter(True)
+        if kind == "bitnet":
+            conv.convert(model)
+        parallelize_module(model, mesh["tp"], PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)))
+        parallelize_module(model, mesh["tp"], seq_plan)
+        if kind == "bitnet":
+            enable_tensor_parallel(model, mesh["tp"])
+            conv.post_optimizer_hook([model])  # precomputed scales: no per-layer sum
+        x = batches[0][0].view(1, 6, DIM).chunk(2, dim=1)[mesh["tp"].get_local_rank()]
+        x = x.clone().requires_grad_()
+        with CommDebugMode() as comm:
+            model(x).square().sum().backward()
+        res["comms"][kind] = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+
     # Built on the meta device and materialized after enable_tensor_parallel, as torchtitan
     # does (to_empty gives every parameter a new local tensor): a write through a
     # state-dict alias after the sums were precomputed is still seen.
@@ -259,3 +286,10 @@ def test_precomputed_sums_cover_every_shard(results):
 def test_tp_misuse_is_a_clear_error(results):
     assert "enable_tensor_parallel" in results["missing_enable"]
     assert "'0'" in results["subclass_error"] and "bitnet_filter" in results["subclass_error"]
+
+
+def test_tp_adds_only_the_row_absmax_all_reduces(results):
+    linear, bitnet = results["comms"]["linear"], results["comms"]["bitnet"]
+    assert linear.get("reduce_scatter_tensor", 0) >= 2, linear  # w2's y, w1 and w3's dx
+    extra = {op: bitnet.get(op, 0) - linear.get(op, 0) for op in set(linear) | set(bitnet)}
+    assert {op: n for op, n in extra.items() if n} == {"all_reduce": 3}, (linear, bitnet)

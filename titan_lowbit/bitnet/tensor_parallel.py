@@ -146,8 +146,14 @@ def tensor_parallel_linear(module: nn.Module, x: torch.Tensor) -> DTensor:
     out_shape = (*x.shape[:-1], module.out_features)
     x_amax = dy_rows_group = None
     if placement.is_shard() and placement.dim % 2 == 0:  # column-wise: output features
-        # dx is a partial sum over the ranks: the style's input redistribution reduces it.
-        x_local = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+        # dx is a partial sum over the ranks, handed back as Partial: the style's input
+        # redistribution reduces it, once for all the layers that share x (torchtitan's
+        # plan: one PrepareModuleInput before wq, wk, wv, one reduce-scatter of their
+        # summed dx). A redistribute to Replicate here, even one that moves nothing
+        # forward, would all-reduce each layer's dx in backward instead.
+        if tuple(x.placements) != (Replicate(),):
+            x = x.redistribute(mesh, [Replicate()])
+        x_local = x.to_local(grad_placements=[Partial()])
         dy_rows_group, out_placement = group, Shard(len(out_shape) - 1)
     elif placement.is_shard():  # row-wise: input features
         x_local = x.redistribute(mesh, [Shard(x.dim() - 1)]).to_local()
