@@ -337,3 +337,36 @@ def test_precomputed_sums_of_written_weights_are_all_reduced_again(results):
 
 def test_uneven_rows_raise_a_clear_error(results):
     assert results["uneven_error"] and "not a multiple of the FSDP shard count 2" in results["uneven_error"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams")
+def test_gathered_scale_from_the_copy_in_stream_is_not_reused_early():
+    """FSDP2 runs fsdp_pre_all_gather on its copy-in stream when it prefetches and
+    fsdp_post_all_gather on the compute stream, then drops the metadata. The scale made
+    in the former must stay allocated until the compute stream has read it, or the next
+    layer's pre-all-gather may overwrite it (the forward then changed from run to run
+    under FSDP x TP). The compute stream is held busy, so nothing it queued has run."""
+    from titan_lowbit.bitnet import ops
+    from titan_lowbit.bitnet.weight import BitNetTrainingWeight
+
+    torch.manual_seed(0)
+    weight = BitNetTrainingWeight(torch.randn(64, 128, device="cuda"))
+    copy_in = torch.cuda.Stream()
+    copy_in.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(copy_in):
+        packed, scale = ops.pack_ternary_from_sum(weight._data, weight._data.abs().sum(), 64 * 128)
+    torch.cuda.current_stream().wait_stream(copy_in)
+    # compile the unpack kernel first: the spin below must outlast everything until the check
+    weight.fsdp_post_all_gather((packed,), (scale.clone(), 128, False), torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(4_000_000_000)  # ~2 s of spinning on the compute stream
+    gathered, _ = weight.fsdp_post_all_gather((packed,), (scale, 128, False), torch.bfloat16)
+    ptr = scale.data_ptr()
+    del scale  # FSDP2 drops the metadata here
+    with torch.cuda.stream(copy_in):
+        later = [torch.empty(1, device="cuda") for _ in range(64)]  # the next pre-all-gather
+    busy = not torch.cuda.current_stream().query()
+    assert ptr not in {t.data_ptr() for t in later}
+    assert busy  # (else the test proved nothing: the spin ended before the check)
+    torch.cuda.synchronize()
+    assert gathered._scale.item() > 0

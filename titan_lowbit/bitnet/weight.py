@@ -355,6 +355,14 @@ class BitNetTrainingWeight(_RoutesLinear):
         with it the tensor, as soon as this call returns."""
         (packed,) = all_gather_outputs
         scale, cols, persistent = metadata
+        if not persistent and scale.is_cuda:
+            # Made in fsdp_pre_all_gather, on FSDP2's all-gather copy-in stream when it
+            # prefetches, and read here on this stream by the clone below, which may not
+            # have run when FSDP2 drops the metadata on return. Without this the allocator
+            # could hand the scale's block to the next layer's pre-all-gather on the
+            # copy-in stream before the clone reads it: a race that changed the forward
+            # from run to run under FSDP x TP (docs/distributed.md).
+            scale.record_stream(torch.cuda.current_stream(scale.device))
         if out is not None:
             if isinstance(out, DTensor):  # FSDP x TP: the unsharded param is a TP DTensor
                 out = out._local_tensor
