@@ -70,16 +70,13 @@ def merge_rounds(name: str, runs: list[dict], base: dict) -> dict:
     peak memory over all of them, the first finished round's losses; a failure when no
     round finished (the first failure's text), a note when some did not."""
     done = [r for r in runs if r.get("tps")]
-    row = {"variant": name, **base, "seconds": round(sum(r.get("seconds", 0) for r in runs), 1)}
+    seconds = round(sum(r.get("seconds", 0) for r in runs), 1)  # all rounds
     if not done:
-        row["failure"] = runs[0]["failure"]
-        return row
-    row.update(done[0])
-    row["variant"] = name
-    row["tps"] = statistics.median(r["tps"] for r in done)
-    row["tps_rounds"] = [r.get("tps") for r in runs]
+        return {"variant": name, **base, "seconds": seconds, "failure": runs[0]["failure"]}
+    row = {"variant": name, **base, **done[0], "seconds": seconds,
+           "tps": statistics.median(r["tps"] for r in done),
+           "tps_rounds": [r.get("tps") for r in runs]}
     row["peak_gib"], row["peak_pct"] = max((r["peak_gib"], r["peak_pct"]) for r in done)
-    row["seconds"] = round(sum(r.get("seconds", 0) for r in runs), 1)  # all rounds
     if failed := [r["failure"].splitlines()[0] for r in runs if not r.get("tps")]:
         row["failed_rounds"] = failed
     return row
@@ -180,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
            "order (each round's figure in brackets, in round order)" if args.rounds > 1 else "")
         + "; peak memory is torchtitan's max reserved memory over every step, rank and run.",
     ]
+    bases = {name: {"ngpu": args.ngpu, "mesh": mesh, **describe(name, config)} for name in names}
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for k in range(args.rounds):
         for name in (names if k % 2 == 0 else names[::-1]):
@@ -189,9 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             status = (f"{row['tps']:,.0f} tok/s/GPU, {row['peak_gib']:.2f} GiB" if row.get("tps")
                       else row["failure"].splitlines()[0])
             print(f"scale_runs: {tag}: {status} ({row.get('seconds', 0):.0f} s)", flush=True)
-            base = {"ngpu": args.ngpu, "mesh": mesh}
-            rows = [merge_rounds(n, runs[n], {**base, **describe(n, config)})
-                    for n in names if runs[n]]
+            rows = [merge_rounds(n, runs[n], bases[n]) for n in names if runs[n]]
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(table(rows, header))
             out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
