@@ -27,6 +27,9 @@ Math, per element, all in fp32 (llm.c style; names as in the code)::
                                    hash(idx) = mix32(((lo32(idx) ^ tensor_key ^ step_key) + hi32(idx) * GOLDEN32))
               bf16, KAHAN:         s = (p_new - p) + c;  p' = bf16_rne(p + s);  c = bf16_rne(s - (p' - p))
               bf16, MASTER:        the math above runs on the fp32 master w; w = p_new; p = bf16_rne(w)
+    guard:    (NonfiniteGuard) a block whose new m is not finite (its gradient holds an
+              inf/nan) is not written at all (weight, moments, their absmax, extra state keep
+              their values) and flags[tensor] = tag
 
 The pure-PyTorch twin of this kernel is ``adamw_lowbit_ref.py``; both use the codec tables of
 ``quant_maps.py`` (dynamic-tree codes: value table to decode, bucket table + one midpoint
@@ -82,6 +85,7 @@ WEIGHT_UPDATES = {"nearest": UPDATE_NEAREST, "stochastic": UPDATE_STOCHASTIC,
 # Columns of the per-tensor metadata table (int64).
 META_PARAM, META_M, META_V, META_MSCALE, META_VSCALE, META_EXTRA = 0, 1, 2, 3, 4, 5
 META_COLS, META_BPR, META_NBLOCKS, META_CODE_ROW, META_SR_BASE, META_SR_ROW, META_SR_KEY = 6, 7, 8, 9, 10, 11, 12
+META_FLAG = 13  # the tensor's entry in the non-finite guard's flag table
 META_STRIDE = 16
 
 # Elements one program handles (several quantization blocks); tuned on an H100.
@@ -90,6 +94,11 @@ META_STRIDE = 16
 # fp32/bf16 states are bound by memory and like bigger ones.
 LAUNCH_QUANTIZED = (1024, 4)
 LAUNCH_PLAIN = (2048, 8)
+# Register cap of launches with the non-finite guard. Left to itself the compiler gives
+# several guarded families more than 64 registers (72 for 8-bit states with bf16 weights:
+# fewer resident programs per SM, 9% slower on an H100); capped at 64 none spills and the
+# guard costs 0 to 7% of the unguarded step (docs/optimizer.md, "Non-finite check").
+GUARD_MAXNREG = 64
 # Tiles one program steps, in order (quantized, plain formats); measured on an H100.
 TILES_QUANTIZED = 8
 TILES_PLAIN = 1
@@ -168,6 +177,7 @@ _K_META_CODE_ROW = tl.constexpr(META_CODE_ROW)
 _K_META_SR_BASE = tl.constexpr(META_SR_BASE)
 _K_META_SR_ROW = tl.constexpr(META_SR_ROW)
 _K_META_SR_KEY = tl.constexpr(META_SR_KEY)
+_K_META_FLAG = tl.constexpr(META_FLAG)
 _K_META_STRIDE = tl.constexpr(META_STRIDE)
 
 
@@ -450,10 +460,29 @@ def _st(ptr, val, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _store_state(x, base, sbase, soff, tab, etab, eptr_off, cptr_off, bidx, bmask, emask, cmask,
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _block_absmax(x, emask, EVEN: tl.constexpr, NAN: tl.constexpr):
+    """max |x| over each block's valid elements [NB]; NAN: a block holding a nan gives nan
+    (the plain maximum may drop it)."""
+    a = tl.abs(x)
+    if not EVEN:
+        a = tl.where(emask, a, 0.0)
+    if NAN:
+        return tl.reduce(a, 1, _max_nan)
+    else:
+        return tl.max(a, axis=1)
+
+
+@triton.jit
+def _store_state(x, absmax, base, sbase, soff, tab, etab, eptr_off, cptr_off, bidx, bmask, emask, cmask,
                  CODEC: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, EVEN: tl.constexpr,
                  HW_CAST: tl.constexpr, SMEM: tl.constexpr):
-    """Store one moment of a tile: plain, or re-quantized with each block's new absmax."""
+    """Store one moment of a tile: plain, or re-quantized with each block's new absmax
+    (``_block_absmax`` of x; unused for plain states)."""
     if CODEC == _K_CODEC_NONE:
         if base.dtype.element_ty == tl.bfloat16:
             _st(base + eptr_off, _bf16_rne(x, HW_CAST), emask, EVEN)
@@ -462,7 +491,6 @@ def _store_state(x, base, sbase, soff, tab, etab, eptr_off, cptr_off, bidx, bmas
     else:
         if not EVEN:
             x = tl.where(emask, x, 0.0)
-        absmax = tl.max(tl.abs(x), axis=1)
         inv = _recip(tl.where(absmax > 0, absmax, 1.0), HW_CAST)
         codes = _encode(x, inv, tab, etab, CODEC, HW_CAST, SMEM)
         _st(sbase + soff + bidx, absmax, bmask, EVEN)
@@ -558,14 +586,15 @@ def _dequantize(raw, absmax, tab, CODEC: tl.constexpr, HW_CAST: tl.constexpr, SM
 def _step_tile(tiles_ptr, t, meta_ptr, grad_offsets_ptr, tab_m, tab_v, etab_m, etab_v,
                p_base, g_base, m_base, v_base, ms_base, vs_base, x_base,
                step_size, decay, inv_sqrt_bc2, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, wd,
-               skey, M_CODEC: tl.constexpr, V_CODEC: tl.constexpr, UPDATE: tl.constexpr,
+               skey, flags_ptr, flag_tag, M_CODEC: tl.constexpr, V_CODEC: tl.constexpr, UPDATE: tl.constexpr,
                DECOUPLED: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
                SR_DENSE: tl.constexpr, SR_IDX32: tl.constexpr, HW_CAST: tl.constexpr,
                QBLOCK: tl.constexpr, NB: tl.constexpr, CBLOCK: tl.constexpr,
-               M_SMEM: tl.constexpr, V_SMEM: tl.constexpr):
+               M_SMEM: tl.constexpr, V_SMEM: tl.constexpr, GUARD: tl.constexpr):
     """The AdamW step of tile ``t``: load gradient, weight (with fp32 master weights only
     the master: the bf16 copy is only written), extra state and both moments; dequantize,
-    update in fp32, re-quantize with each block's new absmax, write states and weight."""
+    update in fp32, re-quantize with each block's new absmax, write states and weight.
+    GUARD: blocks whose gradient holds an inf/nan are not written, and flag their tensor."""
     slot, meta, bidx, e_start, eoff, coff, bmask, emask, cmask = _tile_where(
         tiles_ptr, t, meta_ptr, QBLOCK, NB, CBLOCK, EVEN, ALIGNED)
     PARAM_BF16: tl.constexpr = p_base.dtype.element_ty == tl.bfloat16
@@ -600,16 +629,31 @@ def _step_tile(tiles_ptr, t, meta_ptr, grad_offsets_ptr, tab_m, tab_v, etab_m, e
     else:
         p_new = p - upd
 
-    _store_state(m, m_base, ms_base, tl.load(meta + _K_META_MSCALE), tab_m, etab_m, eoff, coff, bidx,
-                 bmask, emask, cmask, M_CODEC, NB, QBLOCK, EVEN, HW_CAST, M_SMEM)
-    _store_state(v, v_base, vs_base, tl.load(meta + _K_META_VSCALE), tab_v, etab_v, eoff, coff, bidx,
-                 bmask, emask, cmask, V_CODEC, NB, QBLOCK, EVEN, HW_CAST, V_SMEM)
+    # ---- guard: a block whose new m is not finite (its gradient holds an inf/nan) ------
+    # is not written, and flags its tensor. Found by the block absmax that m's quantization
+    # takes anyway, made nan-propagating; the flag is one masked store per block (no
+    # reduction across warps). Stores are then always masked. (The codes computed for such
+    # a block are never stored; the encoders mask every table index into range, so a nan
+    # reads no memory outside the tables.)
+    ST_EVEN: tl.constexpr = EVEN and not GUARD
+    m_abs = _block_absmax(m, emask, EVEN, GUARD)
+    if GUARD:
+        ok = m_abs < float("inf")
+        tl.store(flags_ptr + tl.load(meta + _K_META_FLAG) + bidx * 0, flag_tag + bidx * 0, mask=bmask & ~ok)
+        bmask = bmask & ok
+        emask = emask & ok[:, None]
+        cmask = cmask & ok[:, None]
+    v_abs = _block_absmax(v, emask, EVEN, False)
+    _store_state(m, m_abs, m_base, ms_base, tl.load(meta + _K_META_MSCALE), tab_m, etab_m, eoff, coff, bidx,
+                 bmask, emask, cmask, M_CODEC, NB, QBLOCK, ST_EVEN, HW_CAST, M_SMEM)
+    _store_state(v, v_abs, v_base, vs_base, tl.load(meta + _K_META_VSCALE), tab_v, etab_v, eoff, coff, bidx,
+                 bmask, emask, cmask, V_CODEC, NB, QBLOCK, ST_EVEN, HW_CAST, V_SMEM)
 
     # ---- weight write ------------------------------------------------------------------
     if not PARAM_BF16:
-        _st(pptr, p_new, emask, EVEN)
+        _st(pptr, p_new, emask, ST_EVEN)
     elif UPDATE == _K_UPDATE_NEAREST:
-        _st(pptr, _bf16_rne(p_new, HW_CAST), emask, EVEN)
+        _st(pptr, _bf16_rne(p_new, HW_CAST), emask, ST_EVEN)
     elif UPDATE == _K_UPDATE_STOCHASTIC:
         # global index of each element: SR_BASE + row * SR_ROW + column (SR_DENSE: the
         # launch's tensors are stored with their global rows, SR_ROW == cols, so that is
@@ -626,30 +670,30 @@ def _step_tile(tiles_ptr, t, meta_ptr, grad_offsets_ptr, tab_m, tab_v, etab_m, e
             g_start = g_start.to(tl.uint32)
         gidx = g_start[:, None] + tl.arange(0, QBLOCK)[None, :].to(g_start.dtype)
         p_out = _bf16_stochastic(p_new, gidx, key, SR_IDX32)
-        _st(pptr, p_out, emask, EVEN)
+        _st(pptr, p_out, emask, ST_EVEN)
     elif UPDATE == _K_UPDATE_KAHAN:
         s = (p_new - p) + _ld(xptr, emask, EVEN).to(tl.float32)
         p_b = _bf16_rne(p + s, HW_CAST)
-        _st(pptr, p_b, emask, EVEN)
-        _st(xptr, _bf16_rne(s - (p_b.to(tl.float32) - p), HW_CAST), emask, EVEN)
+        _st(pptr, p_b, emask, ST_EVEN)
+        _st(xptr, _bf16_rne(s - (p_b.to(tl.float32) - p), HW_CAST), emask, ST_EVEN)
     else:  # MASTER
-        _st(xptr, p_new, emask, EVEN)
-        _st(pptr, _bf16_rne(p_new, HW_CAST), emask, EVEN)
+        _st(xptr, p_new, emask, ST_EVEN)
+        _st(pptr, _bf16_rne(p_new, HW_CAST), emask, ST_EVEN)
 
 
 # skey changes at every step: without do_not_specialize, Triton compiles a second variant
 # (skey divisible by 16) at the first step whose key is, a stall of about a second in the
 # middle of a run.
-@triton.jit(do_not_specialize=["skey"])
+@triton.jit(do_not_specialize=["skey", "flag_tag"])
 def _adamw_lowbit_kernel(
-    tiles_ptr, meta_ptr, grad_offsets_ptr, tables_ptr, enc_tables_ptr, smem_image_ptr, lr_ptr,
+    tiles_ptr, meta_ptr, grad_offsets_ptr, tables_ptr, enc_tables_ptr, smem_image_ptr, lr_ptr, flags_ptr,
     p_base, g_base, m_base, v_base, ms_base, vs_base, x_base, n_tiles, tiles,
-    lr_value, inv_bc1, inv_sqrt_bc2, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, wd, skey,
+    lr_value, inv_bc1, inv_sqrt_bc2, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, wd, skey, flag_tag,
     M_CODEC: tl.constexpr, V_CODEC: tl.constexpr, UPDATE: tl.constexpr,
     DECOUPLED: tl.constexpr, LR_IS_TENSOR: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
     SR_DENSE: tl.constexpr, SR_IDX32: tl.constexpr, HW_CAST: tl.constexpr,
     QBLOCK: tl.constexpr, NB: tl.constexpr,
-    M_SMEM: tl.constexpr, V_SMEM: tl.constexpr, SMEM_WORDS: tl.constexpr,
+    M_SMEM: tl.constexpr, V_SMEM: tl.constexpr, SMEM_WORDS: tl.constexpr, GUARD: tl.constexpr,
 ):
     # Program i steps the tiles [i * tiles, (i + 1) * tiles) of the tile table, in order:
     # fewer, longer programs (measured 3-7% faster than one tile per program for the
@@ -680,8 +724,8 @@ def _adamw_lowbit_kernel(
         _step_tile(tiles_ptr, t, meta_ptr, grad_offsets_ptr, tab_m, tab_v, etab_m, etab_v,
                    p_base, g_base, m_base, v_base, ms_base, vs_base, x_base,
                    step_size, decay, inv_sqrt_bc2, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
-                   wd, skey, M_CODEC, V_CODEC, UPDATE, DECOUPLED, ALIGNED, EVEN, SR_DENSE, SR_IDX32,
-                   HW_CAST, QBLOCK, NB, CBLOCK, M_SMEM, V_SMEM)
+                   wd, skey, flags_ptr, flag_tag, M_CODEC, V_CODEC, UPDATE, DECOUPLED, ALIGNED, EVEN,
+                   SR_DENSE, SR_IDX32, HW_CAST, QBLOCK, NB, CBLOCK, M_SMEM, V_SMEM, GUARD)
 
 
 # ----------------------------------------------------------------------------------------
@@ -778,6 +822,19 @@ class AdamWTensor:
     sr_base: int = 0  # global index of local element (r, c) = sr_base + r * sr_row_stride + c
     sr_row_stride: int = 0
     sr_key: int = 0
+    flag_index: int = 0  # the tensor's entry in a NonfiniteGuard's flags
+
+
+@dataclasses.dataclass
+class NonfiniteGuard:
+    """The step's check of the gradients for inf/nan, done where the kernel loads them
+    (no extra read, no host sync): a quantization block whose gradient holds one is not
+    written (its weights, moments, absmax and extra state keep their values), and
+    ``flags[t.flag_index] = tag`` for its tensor. A new tag per step, so the flags need
+    no clearing: the caller reads them when it likes and compares with the tag."""
+
+    flags: torch.Tensor  # int32, on the tensors' device, one entry per flag_index
+    tag: int  # 1 <= tag < 2**31
 
 
 @dataclasses.dataclass
@@ -830,7 +887,8 @@ class FusedAdamW:
     """
 
     def __init__(self, cfg: AdamWConfig, tensors: Sequence[AdamWTensor],
-                 elems_per_program: Optional[int] = None, num_warps: Optional[int] = None):
+                 elems_per_program: Optional[int] = None, num_warps: Optional[int] = None,
+                 maxnreg: Optional[int] = None):
         if cfg.block & (cfg.block - 1) or cfg.block < 2:
             raise ValueError(f"block size must be a power of two >= 2, got {cfg.block}")
         if not tensors or len(tensors) > MAX_TENSORS_PER_LAUNCH:
@@ -840,6 +898,7 @@ class FusedAdamW:
         t0 = tensors[0]
         self.device = t0.param.device
         elems_per_program, self.num_warps = launch_shape(cfg, elems_per_program, num_warps)
+        self.maxnreg = maxnreg  # a register cap for the compiler (None: its own, or GUARD_MAXNREG)
         self.nb = max(1, elems_per_program // cfg.block)
         # Base pointers: the first tensor's buffer of each role (the param stands in for
         # roles a family does not use; the kernel never touches those).
@@ -862,6 +921,7 @@ class FusedAdamW:
             meta[slot, META_SR_BASE] = t.sr_base
             meta[slot, META_SR_ROW] = t.sr_row_stride
             meta[slot, META_SR_KEY] = t.sr_key
+            meta[slot, META_FLAG] = t.flag_index
             aligned &= self.is_aligned(cfg, t)
             ntiles = -(-nblocks // self.nb)
             if ntiles >= 1 << TILE_BITS or t.rows * t.cols >= 2**31:
@@ -930,16 +990,18 @@ class FusedAdamW:
         self._grad_base = grads[0]
         return True
 
-    def step(self, grads: Sequence[torch.Tensor], hyper: AdamWHyper) -> bool:
+    def step(self, grads: Sequence[torch.Tensor], hyper: AdamWHyper,
+             guard: Optional[NonfiniteGuard] = None) -> bool:
         """Launch the step; returns False (and launches nothing) if the gradients' alignment
         does not fit this plan, so the caller can build one that fits."""
         if not self.point_at(grads):
             return False
-        self.launch(hyper)
+        self.launch(hyper, guard)
         return True
 
-    def launch(self, hyper: AdamWHyper) -> None:
-        """Launch the step on the gradients the plan points at (``point_at``).
+    def launch(self, hyper: AdamWHyper, guard: Optional[NonfiniteGuard] = None) -> None:
+        """Launch the step on the gradients the plan points at (``point_at``), checking
+        them for inf/nan if ``guard`` is given.
 
         After the first launch the kernel Triton compiled for this plan is launched
         directly, without ``JITFunction.run``'s per-call argument binding and cache lookup
@@ -953,27 +1015,31 @@ class FusedAdamW:
         lr_is_tensor = isinstance(hyper.lr, torch.Tensor)
         lr_tensor = hyper.lr if lr_is_tensor else self.tables
         lr_value = 0.0 if lr_is_tensor else float(hyper.lr)
+        flags, tag = (guard.flags, guard.tag) if guard is not None else (self.meta, 0)
         tiles = self.tiles_per_program
         m_smem, v_smem, smem_words = self.smem
         args = (
             self.tiles, self.meta, self._grad_offsets, self.tables, self.enc_tables, self.smem_image, lr_tensor,
-            self.bases[0], self._grad_base, *self.bases[1:], self.n_tiles, tiles,
+            flags, self.bases[0], self._grad_base, *self.bases[1:], self.n_tiles, tiles,
             lr_value, s["inv_bc1"], s["inv_sqrt_bc2"], s["beta1"], s["one_minus_beta1"],
-            s["beta2"], s["one_minus_beta2"], s["eps"], s["wd"], s["skey"],
+            s["beta2"], s["one_minus_beta2"], s["eps"], s["wd"], s["skey"], tag,
             # constexprs, in the kernel's order:
             cfg.m_codec, cfg.v_codec, cfg.weight_update, cfg.decoupled, lr_is_tensor,
             self.aligned, self.even, self.sr_dense, self.sr_idx32, not interpreting(), cfg.block, self.nb,
-            m_smem, v_smem, smem_words,
+            m_smem, v_smem, smem_words, guard is not None,
         )
         grid = triton.cdiv(self.n_tiles, tiles)
         key = None
         if not interpreting():
             key = (lr_tensor.dtype, lr_tensor.data_ptr() % _SPECIALIZE_ALIGN, self._grad_base.dtype,
-                   self._grad_base.data_ptr() % _SPECIALIZE_ALIGN, torch.cuda.current_device())
+                   self._grad_base.data_ptr() % _SPECIALIZE_ALIGN, flags.data_ptr() % _SPECIALIZE_ALIGN,
+                   guard is not None, torch.cuda.current_device())
             if self._compiled is not None and self._compiled[0] == key:
                 self._compiled[1][(grid, 1, 1)](*args)
                 return
-        kernel = _adamw_lowbit_kernel[(grid,)](*args, num_warps=self.num_warps)
+        cap = self.maxnreg if self.maxnreg is not None else (GUARD_MAXNREG if guard is not None else None)
+        opts = {} if cap is None or interpreting() else {"maxnreg": cap}
+        kernel = _adamw_lowbit_kernel[(grid,)](*args, num_warps=self.num_warps, **opts)
         if key is not None:
             self._compiled = (key, kernel)
         if smem_words and not self._smem_checked:

@@ -23,6 +23,7 @@ from .adamw_lowbit import (
     AdamWConfig,
     AdamWHyper,
     AdamWTensor,
+    NonfiniteGuard,
     hyper_scalars,
 )
 from .quant_maps import (
@@ -228,20 +229,37 @@ def _load_moment(cfg: AdamWConfig, t: AdamWTensor, state: torch.Tensor, scale: O
     return dequantize_blockwise(codes, scale.reshape(t.rows, -1), codec, cfg.block, t.cols)
 
 
+def _block_cols(keep: torch.Tensor, block: int, n: int, per_block: int) -> torch.Tensor:
+    """A [rows, blocks] mask spread over the n stored columns of a row, per_block of them
+    per block (elements: block; packed 4-bit code bytes: block // 2)."""
+    return keep.repeat_interleave(per_block, dim=1)[:, :n]
+
+
+def _write(dst: torch.Tensor, new: torch.Tensor, keep: Optional[torch.Tensor]) -> None:
+    """dst = new, except where ``keep`` (the guard's blocks with a non-finite gradient)."""
+    new = new.reshape(keep.shape if keep is not None else dst.shape)
+    if keep is not None:
+        new = torch.where(keep, dst.reshape(keep.shape), new)
+    dst.copy_(new.view(dst.shape))
+
+
 def _store_moment(cfg: AdamWConfig, t: AdamWTensor, state: torch.Tensor, scale: Optional[torch.Tensor],
-                  codec: int, x: torch.Tensor) -> None:
+                  codec: int, x: torch.Tensor, keep: Optional[torch.Tensor]) -> None:
     if codec == CODEC_NONE:
         val = bf16_rne(x) if cfg.state_bf16 else x
-        state.copy_(val.view(state.shape))
+        _write(state, val, None if keep is None else _block_cols(keep, cfg.block, t.cols, cfg.block))
         return
     codes, absmax = quantize_blockwise(x, codec, cfg.block)
-    state.copy_(codes.view(state.shape))
-    scale.copy_(absmax.view(scale.shape))
+    codes = codes.reshape(t.rows, -1)
+    per_block = cfg.block // 2 if codec in PACKED_4BIT else cfg.block
+    _write(state, codes, None if keep is None else _block_cols(keep, cfg.block, codes.shape[1], per_block))
+    _write(scale, absmax, keep)
 
 
 def adamw_step_reference(cfg: AdamWConfig, tensors: Sequence[AdamWTensor], grads: Sequence[torch.Tensor],
-                         hyper: AdamWHyper) -> None:
-    """Step every tensor in place with the math of ``_adamw_lowbit_kernel``."""
+                         hyper: AdamWHyper, guard: Optional[NonfiniteGuard] = None) -> None:
+    """Step every tensor in place with the math of ``_adamw_lowbit_kernel`` (and its
+    non-finite guard, if given)."""
     if not tensors:
         return
     s = hyper_scalars(hyper)
@@ -276,8 +294,20 @@ def adamw_step_reference(cfg: AdamWConfig, tensors: Sequence[AdamWTensor], grads
         upd = step_size * div_rn(m, denom)
         p_new = p * decay - upd if cfg.decoupled else p - upd
 
-        _store_moment(cfg, t, t.exp_avg, t.exp_avg_scale, cfg.m_codec, m)
-        _store_moment(cfg, t, t.exp_avg_sq, t.exp_avg_sq_scale, cfg.v_codec, v)
+        keep = keep_elems = None  # [rows, blocks] / [rows, cols]: blocks left as they are
+        if guard is not None:  # blocks whose new m is not finite (an inf/nan in their gradient)
+            bpr = -(-t.cols // cfg.block)
+            padded = torch.ones(t.rows, bpr * cfg.block, dtype=torch.bool, device=dev)
+            padded[:, :t.cols] = torch.isfinite(m)
+            keep = ~padded.view(t.rows, bpr, cfg.block).all(dim=2)
+            if bool(keep.any()):
+                guard.flags[t.flag_index] = guard.tag
+                keep_elems = _block_cols(keep, cfg.block, t.cols, cfg.block)
+            else:
+                keep = None
+
+        _store_moment(cfg, t, t.exp_avg, t.exp_avg_scale, cfg.m_codec, m, keep)
+        _store_moment(cfg, t, t.exp_avg_sq, t.exp_avg_sq_scale, cfg.v_codec, v, keep)
 
         if not bf16_param:
             out = p_new
@@ -292,8 +322,8 @@ def adamw_step_reference(cfg: AdamWConfig, tensors: Sequence[AdamWTensor], grads
             comp = t.extra.reshape(t.rows, t.cols).to(torch.float32)
             sum_ = (p_new - p) + comp
             out = bf16_rne(p + sum_)
-            t.extra.copy_(bf16_rne(sum_ - (out.to(torch.float32) - p)).view(t.extra.shape))
+            _write(t.extra, bf16_rne(sum_ - (out.to(torch.float32) - p)), keep_elems)
         else:
-            t.extra.copy_(p_new.view(t.extra.shape))
+            _write(t.extra, p_new, keep_elems)
             out = bf16_rne(p_new)
-        t.param.copy_(out.view(t.param.shape))
+        _write(t.param, out, keep_elems)

@@ -106,7 +106,7 @@ def row_specs(args) -> list[dict]:
         if kw:
             name += " " + ",".join(f"{k}={v}" for k, v in kw.items())
         launch = {k: kw.pop(k) for k in ("elems", "warps") if k in kw}
-        nf = kw.pop("nonfinite_grad", "ignore")
+        nf = kw.pop("nonfinite_grad", "raise")  # the default: what a user gets
 
         def build(params):
             opt = LowBitAdamW(params, lr=1e-4, weight_decay=0.1, state_format=fmt, weight_update=update,
@@ -125,7 +125,10 @@ def row_specs(args) -> list[dict]:
     ours("8bit", torch.bfloat16, "nearest")
     ours("8bit", torch.bfloat16, "kahan")
     ours("8bit", torch.bfloat16, "master")
-    ours("8bit", torch.float32, nonfinite_grad="raise")
+    # the other non-finite policies: no check at all, and the check before the step
+    ours("8bit", torch.float32, nonfinite_grad="ignore")
+    ours("8bit", torch.bfloat16, "stochastic", nonfinite_grad="ignore")
+    ours("8bit", torch.float32, nonfinite_grad="skip")
     if args.sweep:
         for elems, warps in ((512, 4), (2048, 4), (2048, 8)):
             ours("8bit", torch.float32, elems=elems, warps=warps)

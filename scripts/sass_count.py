@@ -52,6 +52,7 @@ def _signature(fmt, dtype: str, update: str) -> tuple[dict, dict]:
     sig = {
         "tiles_ptr": "*i32", "meta_ptr": "*i64", "grad_offsets_ptr": "*i64",
         "tables_ptr": "*fp32", "enc_tables_ptr": "*u8", "smem_image_ptr": "*i32", "lr_ptr": "*fp32",
+        "flags_ptr": "*i32",
         "p_base": f"*{wdt}", "g_base": f"*{wdt}", "m_base": f"*{state}", "v_base": f"*{state}",
         "ms_base": "*fp32", "vs_base": "*fp32", "x_base": f"*{extra}", "n_tiles": "i32",
         "tiles": "i32",
@@ -60,10 +61,11 @@ def _signature(fmt, dtype: str, update: str) -> tuple[dict, dict]:
                  "one_minus_beta2", "eps", "wd"):
         sig[name] = "fp32"
     sig["skey"] = "i32"
+    sig["flag_tag"] = "i32"
     const = dict(M_CODEC=fmt.m_codec, V_CODEC=fmt.v_codec,
                  UPDATE=K.WEIGHT_UPDATES[update] if dtype == "bfloat16" else K.UPDATE_NEAREST,
                  DECOUPLED=True, LR_IS_TENSOR=False, ALIGNED=True, EVEN=True, SR_DENSE=True,
-                 SR_IDX32=True, HW_CAST=True, QBLOCK=fmt.default_block)
+                 SR_IDX32=True, HW_CAST=True, QBLOCK=fmt.default_block, GUARD=False)
     return sig, const
 
 
@@ -138,7 +140,7 @@ def check_scratch(arch: int) -> bool:
     tables leave it (``smem_gap``). True if every family fits; a family that does not would
     overwrite the tables."""
     ok = True
-    print(f"{'format':>6} {'weights':>9} {'update':>10} {'aligned':>7} {'even':>5} {'block':>5} "
+    print(f"{'format':>6} {'weights':>9} {'update':>10} {'aligned':>7} {'even':>5} {'block':>5} {'guard':>5} "
           f"{'triton scratch':>14} {'gap':>6}")
     for fname, fmt in STATE_FORMATS.items():
         if K.smem_layout(fmt.m_codec, fmt.v_codec, 1024)[2] == 0:
@@ -146,17 +148,20 @@ def check_scratch(arch: int) -> bool:
         for dtype, update in (("float32", "nearest"), ("bfloat16", "nearest"), ("bfloat16", "stochastic"),
                               ("bfloat16", "kahan"), ("bfloat16", "master")):
             for aligned, even in ((True, True), (True, False), (False, True), (False, False)):
-                for block in sorted({fmt.default_block, 64}):
+                # the non-finite guard's variant (launched with its register cap) at the
+                # default block
+                for block, guard in sorted({(fmt.default_block, False), (64, False), (fmt.default_block, True)}):
                     cfg = K.AdamWConfig(fmt.m_codec, fmt.v_codec, False, block, K.WEIGHT_UPDATES[update],
                                         True, getattr(torch, dtype), getattr(torch, dtype))
                     elems, warps = K.launch_shape(cfg)
-                    cc = compile_family(fmt, dtype, update, elems, warps, arch, ALIGNED=aligned, EVEN=even,
+                    cc = compile_family(fmt, dtype, update, elems, warps, arch,
+                                        maxnreg=K.GUARD_MAXNREG if guard else None, ALIGNED=aligned, EVEN=even,
                                         SR_DENSE=even, SR_IDX32=even, QBLOCK=block, NB=max(1, elems // block),
-                                        SMEM_WORDS=256)
+                                        SMEM_WORDS=256, GUARD=guard)
                     gap = K.smem_gap(elems)
                     fits = cc.metadata.shared <= gap
                     ok &= fits
-                    print(f"{fname:>6} {dtype:>9} {update:>10} {aligned!s:>7} {even!s:>5} {block:>5} "
+                    print(f"{fname:>6} {dtype:>9} {update:>10} {aligned!s:>7} {even!s:>5} {block:>5} {guard!s:>5} "
                           f"{cc.metadata.shared:>14} {gap:>6}{'' if fits else '  OVERLAPS THE TABLES'}")
     return ok
 

@@ -17,6 +17,8 @@ the TinyLlama-1.1B parameter set with bf16 weights and stochastic rounding:
     python3 scripts/step_host_time.py --dtensor   # the parameters as DTensors (Shard(0) on a
                                                   # one-GPU mesh, gradients on each parameter's
                                                   # spec, as FSDP2 builds them)
+    python3 scripts/step_host_time.py --nonfinite=raise   # the policy (default: ignore); raise
+                                                          # times the kernels with their guard
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ def as_dtensor(p: torch.nn.Parameter, mesh) -> torch.nn.Parameter:
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("step_host_time.py needs a CUDA GPU")
-    from titan_lowbit.kernels.adamw_lowbit import AdamWHyper
+    from titan_lowbit.kernels.adamw_lowbit import AdamWHyper, NonfiniteGuard
     from titan_lowbit.optim import LowBitAdamW
 
     dtensor = "--dtensor" in sys.argv[1:]
+    policy = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--nonfinite=")), "ignore")
     mesh = None
     if dtensor:
         import os
@@ -65,7 +68,7 @@ def main() -> None:
         if dtensor:
             params = [as_dtensor(p, mesh) for p in params]
         opt = LowBitAdamW(params, lr=1e-4, weight_decay=0.1, state_format=fmt, weight_update="stochastic",
-                          nonfinite_grad="ignore", seed=0)
+                          nonfinite_grad=policy, seed=0)
         for _ in range(5):
             opt.step()
         torch.cuda.synchronize()
@@ -83,15 +86,17 @@ def main() -> None:
             around.append(a.elapsed_time(b))
         plans = [pl for launches, _ in opt._plans.values() for pl, _ in launches]
         hyper = AdamWHyper(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=10)
+        guard = (NonfiniteGuard(torch.zeros(len(params), dtype=torch.int32, device="cuda"), 1)
+                 if policy == "raise" else None)
         kernels = []
         for _ in range(30):
             torch.cuda.synchronize()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             for pl in plans:
-                pl.launch(hyper)  # fill the queue: time back-to-back kernels only
+                pl.launch(hyper, guard)  # fill the queue: time back-to-back kernels only
             a.record()
             for pl in plans:
-                pl.launch(hyper)
+                pl.launch(hyper, guard)
             b.record()
             torch.cuda.synchronize()
             kernels.append(a.elapsed_time(b))
@@ -104,11 +109,11 @@ def main() -> None:
                     if how == "triton":
                         pl._compiled = None
                     t0 = time.perf_counter()
-                    pl.launch(hyper)
+                    pl.launch(hyper, guard)
                     times.append((time.perf_counter() - t0) * 1e6)
             launch_us[how] = statistics.median(times)
         torch.cuda.synchronize()
-        print(f"{'DTensor ' if dtensor else ''}{fmt} stochastic: step() host {statistics.median(host):.3f} ms, events around step() "
+        print(f"{'DTensor ' if dtensor else ''}{fmt} stochastic, nonfinite_grad={policy}: step() host {statistics.median(host):.3f} ms, events around step() "
               f"{statistics.median(around):.3f} ms, kernels back to back {statistics.median(kernels):.3f} ms, "
               f"plans {len(plans)}, launch host {launch_us['direct']:.0f} us direct / "
               f"{launch_us['triton']:.0f} us through triton", flush=True)

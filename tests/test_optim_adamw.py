@@ -117,15 +117,34 @@ def test_sparse_grad_error():
         opt.step()
 
 
-def test_nonfinite_grad_raise_and_skip():
+@pytest.mark.parametrize("report", ["step", "state_dict", "check_nonfinite"])
+def test_nonfinite_grad_raise_and_skip(report):
+    """raise (default): the step with a nan leaves the nan's block alone and steps the
+    rest; the next step (or state_dict, or check_nonfinite) raises naming the parameter
+    and the step, and changes nothing; after it the optimizer steps on normally."""
     m = _model()
-    opt = LowBitAdamW(list(m.named_parameters()))
+    opt = LowBitAdamW(list(m.named_parameters()), min_quantized_numel=0, block_size=32)
     _train(m, opt, 1)
     for p in m.parameters():
         p.grad = torch.randn_like(p)
     m[2].weight.grad[3, 4] = float("nan")
-    with pytest.raises(FloatingPointError, match="'2.weight'"):
-        opt.step()
+    w_before = m[2].weight.detach().clone()
+    codes_before = opt.state[m[2].weight]["exp_avg_codes"].clone()
+    opt.step()
+    w = m[2].weight.detach()
+    assert torch.equal(w[3, :32], w_before[3, :32]) and torch.isfinite(w).all()
+    assert not torch.equal(w[3, 32:], w_before[3, 32:]) and not torch.equal(w[4], w_before[4])
+    assert torch.equal(opt.state[m[2].weight]["exp_avg_codes"][3, :32], codes_before[3, :32])
+    snapshot = [p.detach().clone() for p in m.parameters()]
+    for p in m.parameters():
+        p.grad = torch.randn_like(p)
+    with pytest.raises(FloatingPointError, match=r"in param '2.weight' at optimizer step 2: the blocks"):
+        {"step": opt.step, "state_dict": opt.state_dict, "check_nonfinite": opt.check_nonfinite}[report]()
+    assert all(torch.equal(a, b) for a, b in zip(snapshot, m.parameters()))
+    assert all(int(opt.state[p]["step"]) == 2 for p in m.parameters())
+    opt.step()  # reported once
+    opt.check_nonfinite()
+    assert all(int(opt.state[p]["step"]) == 3 for p in m.parameters())
 
     m = _model()
     opt = LowBitAdamW(list(m.named_parameters()), nonfinite_grad="skip")
@@ -588,13 +607,15 @@ def test_group_changed_at_runtime_is_checked_before_the_step_touches_anything(ke
         opt.step()
     opt.param_groups[1][key] = old
     _assert_same(before, _snapshot(opt))
-    b.grad[0, 0] = float("nan")  # the non-finite check, too, covers every group before any is stepped
-    with pytest.raises(FloatingPointError, match="'b'"):
+    b.grad[0, 0] = float("nan")  # a step that raises for an earlier step's nan changes nothing, either
+    opt.step()
+    before = _snapshot(opt)
+    b.grad[0, 0] = 0.0
+    with pytest.raises(FloatingPointError, match="'b' at optimizer step 2"):
         opt.step()
     _assert_same(before, _snapshot(opt))
-    b.grad[0, 0] = 0.0
     opt.step()
-    assert [int(opt.state[p]["step"]) for p in (a, b)] == [2, 2]
+    assert [int(opt.state[p]["step"]) for p in (a, b)] == [3, 3]
 
 
 @pytest.mark.parametrize("fmt", ["8bit", "4bit", "fp8", "fp32"])
@@ -620,8 +641,9 @@ def test_empty_parameters_are_skipped(fmt, policy):
 @pytest.mark.parametrize("policy", ["raise", "skip"])
 def test_container_checks_every_model_part_before_stepping_any(policy):
     """Pipeline parallelism: one optimizer per model part in torchtitan's container. An
-    inf in the second part's gradients must neither leave the first part stepped (raise)
-    nor step it alone (skip)."""
+    inf in the second part's gradients must not step the first part alone: skip skips
+    both; raise lets both take that step (the inf's block left alone) and raises at the
+    next before either part steps."""
     from torchtitan.config import Optimizer as OptimizerConfig
 
     from titan_lowbit.config import LowBit
@@ -638,7 +660,11 @@ def test_container_checks_every_model_part_before_stepping_any(policy):
         m(torch.randn(4, 64)).square().mean().backward()
     parts[1].weight.grad[3, 5] = float("inf")
     if policy == "raise":
-        with pytest.raises(FloatingPointError, match="param 'weight' of model part 1; no model part was stepped"):
+        opts.step()
+        before = [p.detach().clone() for m in parts for p in m.parameters()]
+        parts[1].weight.grad[3, 5] = 0.0
+        with pytest.raises(FloatingPointError, match="model part 1: non-finite gradient .* in param 'weight' at "
+                                                     "optimizer step 1.*; no model part took this step"):
             opts.step()
     else:
         opts.step()
@@ -676,8 +702,9 @@ def test_a_copied_optimizer_steps_like_the_original(how):
         for p, p2 in zip(model.parameters(), model2.parameters()):
             assert all(torch.equal(opt.state[p][k], opt2.state[p2][k]) for k in opt.state[p])
     model2.a.grad = torch.full_like(model2.a, float("nan"))
-    with pytest.raises(FloatingPointError, match="non-finite gradient .* in param 'a'"):
-        opt2.step()
+    opt2.step()
+    with pytest.raises(FloatingPointError, match="non-finite gradient .* in param 'a' at optimizer step 3"):
+        opt2.check_nonfinite()
 
 
 def test_load_state_dict_refuses_a_parameter_without_state():

@@ -169,7 +169,36 @@ def _scenarios(rank):
     res["grad_fallback_plan_kind"] = o_d._step_plan.kind
     res["grad_fallback_equal"] = (torch.equal(w_r.full_tensor(), ref_r.detach())
                                   and torch.equal(w_s.full_tensor(), ref_s.detach()))
+
+    # A nan in rank 1's shard only: every rank must take the same decision.
+    for policy in ("raise", "skip"):
+        model = sharded_model()
+        opt = LowBitAdamW(list(model.named_parameters()), **{**kw, "nonfinite_grad": policy})
+        train(model, opt, xs[:1])
+        opt.zero_grad()
+        model(xs[1]).float().square().mean().backward()
+        if rank == 1:
+            model[0].weight.grad._local_tensor[2, 7] = float("nan")
+        opt.step()
+        if policy == "skip":
+            res["nonfinite_skip"] = (opt.skipped_steps, int(opt.state[model[0].weight]["step"]))
+            continue
+        opt.zero_grad()
+        model(xs[2]).float().square().mean().backward()
+        try:
+            opt.step()
+            res["nonfinite_raise"] = None
+        except FloatingPointError as e:
+            res["nonfinite_raise"] = (str(e), int(opt.state[model[0].weight]["step"]))
     return res
+
+
+def test_a_nonfinite_gradient_on_one_rank_stops_or_skips_every_rank(results):
+    """raise: rank 0 (finite shard) raises at the next step too, naming no parameter of
+    its own, before that step changes anything; skip: rank 0 skips the step as well."""
+    msg, step = results["nonfinite_raise"]
+    assert "a parameter on another rank at optimizer step 2" in msg and step == 2
+    assert results["nonfinite_skip"] == (1, 1)
 
 
 def test_dtensor_gradients_that_leave_the_fast_check_are_reduced_or_copied(results):

@@ -93,7 +93,7 @@ def _make(cfg, shape, gen, small_block_quant=True, sr_dense=False, spread=0.0, s
 def _clone(t):
     c = lambda x: None if x is None else x.clone()  # noqa: E731
     return K.AdamWTensor(c(t.param), c(t.exp_avg), c(t.exp_avg_sq), c(t.exp_avg_scale), c(t.exp_avg_sq_scale),
-                         c(t.extra), t.rows, t.cols, t.sr_base, t.sr_row_stride, t.sr_key)
+                         c(t.extra), t.rows, t.cols, t.sr_base, t.sr_row_stride, t.sr_key, t.flag_index)
 
 
 def _compare_codes(name, a, b, codec):
@@ -112,13 +112,27 @@ def _compare_codes(name, a, b, codec):
 
 
 def _run(fmt, pdtype, update, decoupled=True, lr_tensor=False, grad_dtype=None, seed=0, elems=512,
-         sr_dense=False, spread=0.0, sr_below_2_32=False, tiles=None):
+         sr_dense=False, spread=0.0, sr_below_2_32=False, tiles=None, guard=False, shapes=SHAPES):
+    """One fused launch over ``shapes`` against the reference. ``guard``: with the
+    non-finite guard, and inf/nan in one block of every other tensor's gradient."""
     mc, vc, block = FORMATS[fmt]
     cfg = K.AdamWConfig(mc, vc, fmt == "bf16", block, update, decoupled, pdtype, grad_dtype or pdtype)
     gen = torch.Generator().manual_seed(seed)
-    ts = [_make(cfg, s, gen, sr_dense=sr_dense, spread=spread, sr_below_2_32=sr_below_2_32) for s in SHAPES]
+    ts = [_make(cfg, s, gen, sr_dense=sr_dense, spread=spread, sr_below_2_32=sr_below_2_32) for s in shapes]
     grads = [_spread(torch.randn(t.param.shape, generator=gen), gen, spread).to(cfg.grad_dtype).to(DEV)
              for t in ts]
+    guards = poisoned = None
+    if guard:
+        for i, t in enumerate(ts):
+            t.flag_index = len(ts) - 1 - i  # not the slot: the caller's numbering
+        poisoned = {}
+        for i, g in enumerate(grads[::2]):
+            at = int(torch.randint(0, g.numel(), (1,), generator=gen))
+            g.view(-1)[at] = (float("nan"), float("inf"), -float("inf"))[i % 3]
+            poisoned[2 * i] = at
+        before = [_clone(t) for t in ts]
+        guards = [K.NonfiniteGuard(torch.full((len(ts) + 1,), 3, dtype=torch.int32, device=DEV), tag=11)
+                  for _ in range(2)]
     ref = [_clone(t) for t in ts]
     lr = torch.tensor(3e-3, device=DEV) if lr_tensor else 3e-3
     hyper = K.AdamWHyper(lr=lr, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=5)
@@ -128,9 +142,42 @@ def _run(fmt, pdtype, update, decoupled=True, lr_tensor=False, grad_dtype=None, 
         plan.tiles_per_program = tiles
         # several programs, the last one short
         assert plan.n_tiles > 2 * tiles and (tiles == 1 or plan.n_tiles % tiles), plan.n_tiles
-    plan.step(grads, hyper)
-    R.adamw_step_reference(cfg, ref, grads, hyper)
+    plan.step(grads, hyper, None if guards is None else guards[0])
+    R.adamw_step_reference(cfg, ref, grads, hyper, None if guards is None else guards[1])
     _assert_matches_reference(cfg, ts, ref, f"{fmt} {pdtype} update={update}")
+    if guard:
+        flagged = {ts[i].flag_index for i in poisoned}
+        for g in guards:  # flagged entries get the tag, the others keep what they held
+            assert g.flags.tolist() == [11 if j in flagged else 3 for j in range(len(ts) + 1)]
+        for i, at in poisoned.items():
+            _assert_block_kept(cfg, before[i], ts[i], ref[i], at)
+
+
+def _assert_block_kept(cfg, before, kernel, ref, at):
+    """The quantization block holding element ``at`` is as it was, in the kernel's and in
+    the reference's result, and the tensor's other blocks were stepped."""
+    row, col = divmod(at, before.cols)
+    b0 = col // cfg.block * cfg.block
+    cols = slice(b0, min(b0 + cfg.block, before.cols))
+    packed = cfg.m_codec in R.PACKED_4BIT
+    ccols = slice(b0 // 2, (cols.stop + 1) // 2) if packed else cols
+    for t in (kernel, ref):
+        for name in ("param", "extra", "exp_avg", "exp_avg_sq"):
+            x, y = getattr(before, name), getattr(t, name)
+            if x is None:
+                continue
+            sel = ccols if name.startswith("exp") and cfg.m_codec != Q.CODEC_NONE else cols
+            if name.startswith("exp") and cfg.m_codec == Q.CODEC_NONE and before.rows * before.cols == x.numel():
+                x, y = x.reshape(before.rows, before.cols), y.reshape(before.rows, before.cols)
+            x, y = x.reshape(before.rows, -1), y.reshape(before.rows, -1)
+            assert torch.equal(x[row, sel], y[row, sel]), f"{name} of the poisoned block changed"
+        for name in ("exp_avg_scale", "exp_avg_sq_scale"):
+            x, y = getattr(before, name), getattr(t, name)
+            if x is not None:
+                x, y = x.reshape(before.rows, -1), y.reshape(before.rows, -1)
+                assert torch.equal(x[row, b0 // cfg.block], y[row, b0 // cfg.block])
+        if before.param.numel() > cols.stop - cols.start:
+            assert not torch.equal(before.param, t.param), "the other blocks were not stepped"
 
 
 def _assert_matches_reference(cfg, ts, ref, label):
@@ -263,6 +310,39 @@ def test_kernel_matches_reference_across_twenty_decades(fmt):
     """States and gradients spread over 1e-20..1 within a block: normalized values fall in
     every encode bucket, below the kernel's shared-memory bucket window (2**-31) too."""
     _run(fmt, torch.float32, K.UPDATE_NEAREST, seed=3, spread=20.0)
+
+
+@pytest.mark.parametrize("fmt,pdtype,update", [
+    ("8bit", torch.float32, "nearest"), ("4bit", torch.bfloat16, "kahan"), ("fp8", torch.bfloat16, "master"),
+    ("fp32", torch.bfloat16, "stochastic"), ("bf16", torch.float32, "nearest"), ("8bit", torch.bfloat16, "stochastic"),
+])
+def test_nonfinite_guard_leaves_poisoned_blocks_and_flags_their_tensors(fmt, pdtype, update):
+    """nonfinite_grad="raise": a block whose gradient holds a nan, inf or -inf is not
+    written (weight, moments, absmax, extra state), the rest of its tensor and every other
+    tensor step as the reference does, and the flags of exactly the poisoned tensors get
+    the step's tag; ragged shapes (masked launch) and whole tiles only (unmasked loads)."""
+    _run(fmt, pdtype, K.WEIGHT_UPDATES[update], seed=5, guard=True)
+    _run(fmt, pdtype, K.WEIGHT_UPDATES[update], seed=6, guard=True, shapes=[(4, 512), (2, 1024), (8, 256)])
+
+
+@pytest.mark.skipif(not CUDA, reason="registers and spills of the compiled kernel")
+@pytest.mark.parametrize("fmt,pdtype,update", [
+    ("8bit", torch.bfloat16, "stochastic"), ("4bit", torch.bfloat16, "stochastic"), ("fp8", torch.bfloat16, "stochastic"),
+    ("8bit", torch.bfloat16, "master"), ("8bit", torch.float32, "nearest"), ("bf16", torch.bfloat16, "kahan"),
+])
+def test_guarded_kernel_fits_its_register_cap_without_spills(fmt, pdtype, update):
+    """The guard's register cap (GUARD_MAXNREG) must not make the compiler spill."""
+    mc, vc, block = FORMATS[fmt]
+    cfg = K.AdamWConfig(mc, vc, fmt == "bf16", block, K.WEIGHT_UPDATES[update], True, pdtype, pdtype)
+    gen = torch.Generator().manual_seed(0)
+    ts = [_make(cfg, (64, 1024), gen)]
+    grads = [torch.randn(64, 1024, generator=gen).to(pdtype).to(DEV)]
+    plan = K.FusedAdamW(cfg, ts)
+    guard = K.NonfiniteGuard(torch.zeros(1, dtype=torch.int32, device=DEV), 1)
+    plan.step(grads, K.AdamWHyper(lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=1), guard)
+    kernel = plan._compiled[1]
+    kernel._init_handles()
+    assert kernel.n_regs <= K.GUARD_MAXNREG and kernel.n_spills == 0, (kernel.n_regs, kernel.n_spills)
 
 
 def test_kernel_matches_reference_adam_l2_lr_tensor_mixed_grads():
@@ -504,9 +584,11 @@ def test_optimizer_launch_plans_match_reference_path():
 
 @pytest.mark.parametrize("policy", ["raise", "skip"])
 def test_fused_path_nonfinite_gradient_changes_nothing(policy):
-    """The fused path prepares its launches before the non-finite check's sync: a NaN
-    gradient must still leave every weight, state and step count as it was (raise names
-    the parameter; skip counts the step), and the next finite step equals the reference."""
+    """skip: the fused path prepares its launches before the non-finite check's sync; a
+    NaN gradient must still leave every weight, state and step count as it was. raise:
+    the fused step leaves the NaN's block alone like the reference path, and the next step
+    raises naming the parameter before it changes anything. Then a finite step equals the
+    reference's."""
     from titan_lowbit.optim import adamw as A
 
     gen = torch.Generator().manual_seed(1)
@@ -533,8 +615,17 @@ def test_fused_path_nonfinite_gradient_changes_nothing(policy):
     state = {k: v.clone() for k, v in fused.state[pf[0]].items()}
     grads(True)
     if policy == "raise":
-        with pytest.raises(FloatingPointError, match="'w2'"):
-            fused.step()
+        before_r = pr[2].detach().clone()
+        fused.step()
+        ref.step()
+        assert torch.equal(pf[2][3, :128], before[2][3, :128]) and not torch.equal(pf[2], before[2])
+        assert torch.equal(pr[2][3, :128], before_r[3, :128]) and not torch.equal(pr[2], before_r)
+        before = [p.detach().clone() for p in pf]
+        state = {k: v.clone() for k, v in fused.state[pf[0]].items()}
+        grads(False)
+        for opt in (fused, ref):
+            with pytest.raises(FloatingPointError, match="'w2' at optimizer step 2"):
+                opt.step()
     else:
         fused.step()
         assert fused.skipped_steps == 1

@@ -52,8 +52,11 @@ class LowBit:
     """Parameters with fewer elements keep fp32 optimizer state (norms, biases)."""
 
     nonfinite_grad: NonfinitePolicy = "raise"
-    """A NaN/inf gradient: "raise" stops naming the parameter; "skip" skips the whole
-    optimizer step and counts it in the logs."""
+    """A NaN/inf gradient: "raise" (checked inside the optimizer kernels, at no cost)
+    leaves the quantization blocks it hits unwritten and stops at the next optimizer step
+    or checkpoint save, naming the parameter and the step; "skip" checks all gradients
+    before each step (one more read of them and a host sync) and skips the whole step,
+    counting it in the logs."""
 
     bitnet_filter: list[str] = field(default_factory=lambda: ["output"])
     """Fully-qualified-name fragments of nn.Linear layers that converter "bitnet" leaves

@@ -160,21 +160,24 @@ def build_lowbit_optimizers(
 
 class LowBitOptimizersContainer(OptimizersContainer):
     """torchtitan's container (one optimizer per model part, as under pipeline
-    parallelism) whose step checks every part's gradients for inf/nan before it steps
+    parallelism) whose step settles the non-finite checks of every part before it steps
     any: torchtitan's steps the parts one after another, so a raise in the second part,
-    or a skip of it alone, would leave the first part stepped and the parts out of step."""
+    or a skip of it alone, would leave the first part stepped and the parts out of step.
+    ``raise``: the errors of earlier steps' in-kernel checks; ``skip``: this step's
+    gradients."""
 
     def step(self, *args, **kwargs) -> None:
         if len(self.optimizers) > 1:
+            for i, opt in enumerate(self.optimizers):
+                try:
+                    opt._raise_nonfinite(wait=False)
+                except FloatingPointError as e:
+                    raise FloatingPointError(f"model part {i}: {e}; no model part took this step") from None
             found = [(i, opt.find_nonfinite_grad()) for i, opt in enumerate(self.optimizers)]
             bad = [(i, name) for i, name in found if name is not None]
             if bad:
                 i, name = bad[0]
                 where = f"param '{name}' of model part {i}" if name else "a parameter on another rank"
-                if self.optimizers[0].nonfinite_grad == "raise":
-                    raise FloatingPointError(
-                        f"non-finite gradient (inf/nan) in {where}; no model part was stepped. Fix "
-                        "the loss scale / learning rate, or set [lowbit] nonfinite_grad = 'skip'")
                 for opt in self.optimizers:
                     opt.count_skipped_step(where)
                 return

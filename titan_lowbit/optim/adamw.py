@@ -32,6 +32,7 @@ from titan_lowbit.kernels.adamw_lowbit_ref import adamw_step_reference
 from titan_lowbit.kernels.quant_maps import is_block_size, tensor_key
 
 from .formats import SMALL_TENSOR_FORMAT, STATE_FORMATS, StateFormat, block_of
+from .nonfinite import DeferredNonfiniteCheck
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _is_distributed(params: list[torch.Tensor]) -> bool:
+    """Whether a step's non-finite decision must be shared by all ranks: DTensor
+    parameters in a process group of several ranks (every rank must take the same one)."""
+    return (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1 and any(isinstance(p, DTensor) for p in params))
+
+
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, acc = [], 1
     for s in reversed(shape):
@@ -141,9 +149,13 @@ class LowBitAdamW(torch.optim.Optimizer):
             format's default.
         min_quantized_numel: parameters with fewer elements keep fp32 states.
         seed: key of the stochastic-rounding hash (with step and element index).
-        nonfinite_grad: "raise" (default: error naming the parameter), "skip" (skip the
-            whole step, count it in ``skipped_steps``) or "ignore" (no check: saves one read
-            of the gradients and one host sync per step; non-finite values reach the state).
+        nonfinite_grad: "raise" (default): the kernels check each block's gradient as they
+            load it and leave a block holding an inf/nan unwritten (weight and states keep
+            their values); a later ``step()`` or ``state_dict()`` (at most two steps on), or
+            ``check_nonfinite()``, raises naming the parameter and the step, which the rest
+            of the model did take. "skip": check all gradients first (one more read of them
+            and a host sync) and skip the whole step, counted in ``skipped_steps``.
+            "ignore": no check; non-finite values reach the state.
     """
 
     def __init__(self, params: Iterable[Any], lr: "float | torch.Tensor" = 1e-3,
@@ -158,6 +170,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         self.seed = seed
         self.nonfinite_grad = nonfinite_grad
         self.skipped_steps = 0
+        self._deferred = DeferredNonfiniteCheck()  # nonfinite_grad="raise"
         # Set by a container that ran find_nonfinite_grad on all its optimizers: the next
         # step skips its own check.
         self.grads_checked = False
@@ -180,7 +193,8 @@ class LowBitAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     # Rebuilt by the next step from the state; a copy or pickle leaves them behind.
-    _CACHES = {"_plans": dict, "_step_plan": lambda: None, "_steps_buf": lambda: None}
+    _CACHES = {"_plans": dict, "_step_plan": lambda: None, "_steps_buf": lambda: None,
+               "_deferred": DeferredNonfiniteCheck}
 
     def __getstate__(self) -> dict[str, Any]:
         """All of this optimizer but its launch caches, so a ``copy.deepcopy`` or a pickle
@@ -387,6 +401,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         except BaseException:
             self.state, self.param_groups, self._master_pending = before
             raise
+        self._deferred.clear()  # the loaded state replaces what any unread step did
         self._plans.clear()
         self._step_plan = None
 
@@ -501,8 +516,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         """Name of a parameter with a non-finite gradient, '' if only another rank has one,
         None if all are finite (the host sync of the check)."""
         bad_local: Optional[int] = None
-        distributed = (torch.distributed.is_available() and torch.distributed.is_initialized()
-                       and torch.distributed.get_world_size() > 1 and any(isinstance(p, DTensor) for p in params))
+        distributed = _is_distributed(params)
         for idx, finite in flags:
             fin = finite.cpu()
             if not bool(fin.all()):
@@ -525,48 +539,55 @@ class LowBitAdamW(torch.optim.Optimizer):
                 loss = closure()
 
         checked, self.grads_checked = self.grads_checked, False
+        if self._deferred.pending():
+            # Distributed: read the previous step's flags on every rank (long on the host
+            # by now), so all ranks raise at the same step; alone, only what has arrived.
+            self._raise_nonfinite(wait=self._step_plan is not None and self._step_plan.distributed)
         plan, raw_grads = self._checked_plan()
         if plan is None:
             return loss
         grads = plan.local_grads(self, raw_grads)
 
-        # Everything a launch needs is prepared before the non-finite check's host sync
-        # (plans, pointer checks, gradient-offset uploads, scalars), so that after the
+        # "skip": everything a launch needs is prepared before the non-finite check's host
+        # sync (plans, pointer checks, gradient-offset uploads, scalars), so that after the
         # sync only the kernel launches remain: the GPU idles for them alone. (Not when
         # a container of several optimizers checked them all first: grads_checked.)
-        check = self._nonfinite_launch(grads) if self.nonfinite_grad != "ignore" and not checked else None
+        check = self._nonfinite_launch(grads) if self.nonfinite_grad == "skip" and not checked else None
+        guarded = self.nonfinite_grad == "raise"
+        if guarded:
+            self._deferred.begin_step()
+            nflags = len(self._order)
         work = []
         for fam in plan.families:
             group = self.param_groups[fam.group]
             hyper = AdamWHyper(lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
                                eps=group["eps"], weight_decay=group["weight_decay"], step=fam.step + 1)
             fam_grads = fam.pick(grads)
+            guard = self._deferred.guard(fam.device, nflags) if guarded else None
             if self._use_fused(_local(fam.params[0])):
-                work.append((fam, hyper, self._fused_launches(fam, fam_grads, plan.kind), None))
+                work.append((fam, hyper, guard, self._fused_launches(fam, fam_grads, plan.kind), None))
             else:
-                work.append((fam, hyper, None, ([self._kernel_tensor(p, fam.cfg) for p in fam.params], fam_grads)))
+                work.append((fam, hyper, guard, None,
+                             ([self._kernel_tensor(p, fam.cfg) for p in fam.params], fam_grads)))
 
         if check is not None:
             bad = self._nonfinite_param(plan.params, check)
             if bad is not None:
-                where = f"param '{bad}'" if bad else "a parameter on another rank"
-                if self.nonfinite_grad == "raise":
-                    raise FloatingPointError(
-                        f"non-finite gradient (inf/nan) in {where} before optimizer step "
-                        f"{int(self.state[plan.params[0]]['step']) + 1}; fix the loss scale / learning rate, "
-                        "or build the optimizer with nonfinite_grad='skip' to skip such steps")
-                self.count_skipped_step(where)
+                self.count_skipped_step(f"param '{bad}'" if bad else "a parameter on another rank")
                 return loss
 
         if self._master_pending:
             self._take_masters(plan.params)
-        for fam, hyper, launches, reference in work:
+        step_number = int(self.state[plan.params[0]]["step"]) + 1
+        for fam, hyper, guard, launches, reference in work:
             fam.step += 1
             if launches is not None:
                 for pl in launches:
-                    pl.launch(hyper)
+                    pl.launch(hyper, guard)
             else:
-                adamw_step_reference(fam.cfg, *reference, hyper)
+                adamw_step_reference(fam.cfg, *reference, hyper, guard)
+        if guarded:
+            self._deferred.end_step(step_number, plan.distributed)
         # The step counts last: the kernels take theirs from the families (fam.step), and
         # this host-side op then runs while the GPU steps.
         if plan.all_params:
@@ -575,13 +596,38 @@ class LowBitAdamW(torch.optim.Optimizer):
             self._steps_buf.index_add_(0, plan.step_index, torch.ones(len(plan.params)))
         return loss
 
+    def check_nonfinite(self) -> None:
+        """Wait for the non-finite flags of every step launched so far and raise
+        ``FloatingPointError`` naming a parameter whose gradient held an inf/nan
+        (``nonfinite_grad="raise"``; ``step()`` and ``state_dict()`` do this on their own)."""
+        self._raise_nonfinite(wait=True)
+
+    def _raise_nonfinite(self, wait: bool) -> None:
+        report = self._deferred.collect(wait)
+        if report is None:
+            return
+        names = [self._name(p) for p, i in self._order.items() if i in report.indices]
+        where = (f"param '{names[0]}'" + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
+                 if names else "a parameter on another rank")
+        raise FloatingPointError(
+            f"non-finite gradient (inf/nan) in {where} at optimizer step {report.step}: the blocks of "
+            "its weight and optimizer state whose gradient held one were left as they were, the rest "
+            "of that step was applied. Fix the loss scale / learning rate and resume from a checkpoint, "
+            "or build the optimizer with nonfinite_grad='skip' to skip such steps")
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict, after the pending non-finite checks: a checkpoint is never
+        written after a step that met an inf/nan gradient without the error."""
+        self._raise_nonfinite(wait=True)
+        return super().state_dict()
+
     def find_nonfinite_grad(self) -> Optional[str]:
-        """The step's non-finite check alone, for a container of several optimizers that
-        must decide for all of them before stepping any (a raise or skip after another
-        optimizer stepped would leave the model parts out of step): the name of a
-        parameter with an inf/nan gradient, '' if only another rank has one, None if all
-        are finite or the check is off."""
-        if self.nonfinite_grad == "ignore":
+        """The step's non-finite check of ``nonfinite_grad="skip"`` alone, for a container
+        of several optimizers that must decide for all of them before stepping any (a skip
+        of one after another stepped would leave the model parts out of step): the name of
+        a parameter with an inf/nan gradient, '' if only another rank has one, None if all
+        are finite or the policy is another."""
+        if self.nonfinite_grad != "skip":
             return None
         plan, raw_grads = self._checked_plan()
         if plan is None:
@@ -653,7 +699,7 @@ class LowBitAdamW(torch.optim.Optimizer):
                 continue  # an empty parameter or local shard (FSDP2): nothing to update; its step still counts
             gi = group_of[p]
             key = (gi, self._kernel_config(p, g, gi), _local(p).device, int(steps[position[p]]))
-            fam = families.setdefault(key, _Family(gi, key[1], key[3], [], []))
+            fam = families.setdefault(key, _Family(gi, key[1], key[3], [], [], device=key[2]))
             fam.index.append(i)
             fam.params.append(p)
         for fam in families.values():
@@ -732,7 +778,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         return AdamWTensor(param=local, exp_avg=m, exp_avg_sq=v, exp_avg_scale=ms, exp_avg_sq_scale=vs,
                            extra=None if extra is None else _local(extra), rows=rows, cols=cols,
                            sr_base=sr_base, sr_row_stride=sr_row_stride,
-                           sr_key=tensor_key(self.seed, self._order[p]))
+                           sr_key=tensor_key(self.seed, self._order[p]), flag_index=self._order[p])
 
     @staticmethod
     def _global_index(p: torch.Tensor, rows: int, cols: int) -> tuple[int, int]:
@@ -771,6 +817,7 @@ class _Family:
     launches: Optional[list] = None  # [(FusedAdamW, _picker of its positions in params)], built on first use
     launches_param_ptrs: Optional[list[int]] = None  # parameter storage the launches point at
     pick: Any = None  # _picker(index), set once index is complete
+    device: Optional[torch.device] = None  # where the family's local tensors live
 
 
 @dataclasses.dataclass
@@ -795,6 +842,7 @@ class _StepPlan:
         self.dtypes = [dtype for dtype, _ in self.expect]
         self.shapes = [shape for _, shape in self.expect]
         self.layouts = [torch.strided] * len(self.params)
+        self.distributed = _is_distributed(self.params)
 
     def same_params(self, with_grad: list[torch.Tensor]) -> bool:
         return len(with_grad) == len(self.params) and all(map(operator.is_, with_grad, self.params))
