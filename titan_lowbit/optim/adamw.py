@@ -181,7 +181,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         # 0-d view of it, so a step bumps them all with one op (rebuilt with the step plan).
         self._steps_buf: Optional[torch.Tensor] = None
         self._step_plan: Optional[_StepPlan] = None
-        # Launch shape of the fused kernel (FusedAdamW's elems_per_program, num_warps);
+        # Launch shape of the fused kernel (FusedAdamW's elems_per_program, num_warps, maxnreg);
         # empty = the kernel's tuned defaults. For benchmarks and tuning only.
         self.launch_options: dict[str, int] = {}
         self._fixed: list[tuple] = []  # each group's FIXED_OPTIONS values when it was added
