@@ -79,9 +79,12 @@ class DeferredNonfiniteCheck:
         if distributed:
             import torch.distributed as dist
 
-            dev = self._used[0] if self._used else torch.device("cpu")
             if dist.get_backend() == "gloo":
                 dev = torch.device("cpu")
+            elif self._used:
+                dev = self._used[0]
+            else:  # every local shard empty: nothing flagged here, but the collective is shared
+                dev = torch.device("cuda", torch.cuda.current_device())
             mine = [(f == self._tag).any() for f in (self._flags[d] for d in self._used)]
             world = torch.stack(mine).any().to(device=dev, dtype=torch.int32).reshape(1) if mine \
                 else torch.zeros(1, dtype=torch.int32, device=dev)
