@@ -97,7 +97,8 @@ LAUNCH_PLAIN = (2048, 8)
 # Register cap of launches with the non-finite guard. Left to itself the compiler gives
 # several guarded families more than 64 registers (72 for 8-bit states with bf16 weights:
 # fewer resident programs per SM, 9% slower on an H100); capped at 64 none spills and the
-# guard costs 0 to 7% of the unguarded step (docs/optimizer.md, "Non-finite check").
+# guard costs 0 to 7% of the unguarded step (docs/optimizer.md, Benchmark, "Latest";
+# scripts/guard_register_sweep.py).
 GUARD_MAXNREG = 64
 # Tiles one program steps, in order (quantized, plain formats); measured on an H100.
 TILES_QUANTIZED = 8
@@ -461,6 +462,7 @@ def _st(ptr, val, mask, EVEN: tl.constexpr):
 
 @triton.jit
 def _max_nan(a, b):
+    """maximum that returns nan if either is nan (the combine of _block_absmax's NAN)."""
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 

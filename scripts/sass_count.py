@@ -131,6 +131,17 @@ def count(sass: str) -> int:
     return n
 
 
+def _scratch_of(job: tuple) -> int:
+    """Shared memory Triton needs for one family of ``check_scratch`` (run in a worker)."""
+    fname, dtype, update, aligned, even, block, guard, elems, warps, arch = job
+    fmt = STATE_FORMATS[fname]
+    cc = compile_family(fmt, dtype, update, elems, warps, arch,
+                        maxnreg=K.GUARD_MAXNREG if guard else None, ALIGNED=aligned, EVEN=even,
+                        SR_DENSE=even, SR_IDX32=even, QBLOCK=block, NB=max(1, elems // block),
+                        SMEM_WORDS=256, GUARD=guard)
+    return cc.metadata.shared
+
+
 def check_scratch(arch: int) -> bool:
     """Compile every family that keeps code tables in shared memory with a 256-word image
     instead of the tables (1 KB, below every gap; the tables' PTX names Triton's shared
@@ -138,10 +149,8 @@ def check_scratch(arch: int) -> bool:
     gathered within a warp, without it) and compare the shared memory Triton then needs
     (its own layout conversions in the tile loop, or the image's 1 KB) with the gap the
     tables leave it (``smem_gap``). True if every family fits; a family that does not would
-    overwrite the tables."""
-    ok = True
-    print(f"{'format':>6} {'weights':>9} {'update':>10} {'aligned':>7} {'even':>5} {'block':>5} {'guard':>5} "
-          f"{'triton scratch':>14} {'gap':>6}")
+    overwrite the tables. The compiles run in one process per CPU core."""
+    jobs = []
     for fname, fmt in STATE_FORMATS.items():
         if K.smem_layout(fmt.m_codec, fmt.v_codec, 1024)[2] == 0:
             continue
@@ -154,15 +163,23 @@ def check_scratch(arch: int) -> bool:
                     cfg = K.AdamWConfig(fmt.m_codec, fmt.v_codec, False, block, K.WEIGHT_UPDATES[update],
                                         True, getattr(torch, dtype), getattr(torch, dtype))
                     elems, warps = K.launch_shape(cfg)
-                    cc = compile_family(fmt, dtype, update, elems, warps, arch,
-                                        maxnreg=K.GUARD_MAXNREG if guard else None, ALIGNED=aligned, EVEN=even,
-                                        SR_DENSE=even, SR_IDX32=even, QBLOCK=block, NB=max(1, elems // block),
-                                        SMEM_WORDS=256, GUARD=guard)
-                    gap = K.smem_gap(elems)
-                    fits = cc.metadata.shared <= gap
-                    ok &= fits
-                    print(f"{fname:>6} {dtype:>9} {update:>10} {aligned!s:>7} {even!s:>5} {block:>5} {guard!s:>5} "
-                          f"{cc.metadata.shared:>14} {gap:>6}{'' if fits else '  OVERLAPS THE TABLES'}")
+                    jobs.append((fname, dtype, update, aligned, even, block, guard, elems, warps, arch))
+    import concurrent.futures
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # a clean Triton in each worker
+    with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count() or 1, mp_context=ctx) as pool:
+        needs = list(pool.map(_scratch_of, jobs))
+    ok = True
+    print(f"{'format':>6} {'weights':>9} {'update':>10} {'aligned':>7} {'even':>5} {'block':>5} {'guard':>5} "
+          f"{'triton scratch':>14} {'gap':>6}")
+    for job, need in zip(jobs, needs):
+        fname, dtype, update, aligned, even, block, guard, elems, _, _ = job
+        gap = K.smem_gap(elems)
+        fits = need <= gap
+        ok &= fits
+        print(f"{fname:>6} {dtype:>9} {update:>10} {aligned!s:>7} {even!s:>5} {block:>5} {guard!s:>5} "
+              f"{need:>14} {gap:>6}{'' if fits else '  OVERLAPS THE TABLES'}")
     return ok
 
 
