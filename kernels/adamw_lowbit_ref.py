@@ -229,7 +229,7 @@ def _load_moment(cfg: AdamWConfig, t: AdamWTensor, state: torch.Tensor, scale: O
     return dequantize_blockwise(codes, scale.reshape(t.rows, -1), codec, cfg.block, t.cols)
 
 
-def _block_cols(keep: torch.Tensor, block: int, n: int, per_block: int) -> torch.Tensor:
+def _block_cols(keep: torch.Tensor, n: int, per_block: int) -> torch.Tensor:
     """A [rows, blocks] mask spread over the n stored columns of a row, per_block of them
     per block (elements: block; packed 4-bit code bytes: block // 2)."""
     return keep.repeat_interleave(per_block, dim=1)[:, :n]
@@ -247,12 +247,12 @@ def _store_moment(cfg: AdamWConfig, t: AdamWTensor, state: torch.Tensor, scale: 
                   codec: int, x: torch.Tensor, keep: Optional[torch.Tensor]) -> None:
     if codec == CODEC_NONE:
         val = bf16_rne(x) if cfg.state_bf16 else x
-        _write(state, val, None if keep is None else _block_cols(keep, cfg.block, t.cols, cfg.block))
+        _write(state, val, None if keep is None else _block_cols(keep, t.cols, cfg.block))
         return
     codes, absmax = quantize_blockwise(x, codec, cfg.block)
     codes = codes.reshape(t.rows, -1)
     per_block = cfg.block // 2 if codec in PACKED_4BIT else cfg.block
-    _write(state, codes, None if keep is None else _block_cols(keep, cfg.block, codes.shape[1], per_block))
+    _write(state, codes, None if keep is None else _block_cols(keep, codes.shape[1], per_block))
     _write(scale, absmax, keep)
 
 
@@ -302,7 +302,7 @@ def adamw_step_reference(cfg: AdamWConfig, tensors: Sequence[AdamWTensor], grads
             keep = ~padded.view(t.rows, bpr, cfg.block).all(dim=2)
             if bool(keep.any()):
                 guard.flags[t.flag_index] = guard.tag
-                keep_elems = _block_cols(keep, cfg.block, t.cols, cfg.block)
+                keep_elems = _block_cols(keep, t.cols, cfg.block)
             else:
                 keep = None
 

@@ -170,7 +170,7 @@ class LowBitOptimizersContainer(OptimizersContainer):
         if len(self.optimizers) > 1:
             for i, opt in enumerate(self.optimizers):
                 try:
-                    opt._raise_nonfinite(wait=False)
+                    opt.raise_pending_nonfinite()
                 except FloatingPointError as e:
                     raise FloatingPointError(f"model part {i}: {e}; no model part took this step") from None
             found = [(i, opt.find_nonfinite_grad()) for i, opt in enumerate(self.optimizers)]

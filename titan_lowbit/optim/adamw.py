@@ -511,17 +511,17 @@ class LowBitAdamW(torch.optim.Optimizer):
             flags.append((idx, torch.isfinite(torch.stack(norms))))
         return flags
 
-    def _nonfinite_param(self, params: list[torch.Tensor],
+    def _nonfinite_param(self, plan: "_StepPlan",
                          flags: list[tuple[list[int], torch.Tensor]]) -> Optional[str]:
-        """Name of a parameter with a non-finite gradient, '' if only another rank has one,
-        None if all are finite (the host sync of the check)."""
+        """Name of a parameter of ``plan`` with a non-finite gradient, '' if only another
+        rank has one, None if all are finite (the host sync of the check)."""
         bad_local: Optional[int] = None
-        distributed = _is_distributed(params)
+        params = plan.params
         for idx, finite in flags:
             fin = finite.cpu()
             if not bool(fin.all()):
                 bad_local = idx[int((~fin).nonzero()[0])] if bad_local is None else bad_local
-        if distributed:
+        if plan.distributed:
             # Every rank must take the same decision, or they step different models.
             device = params[0].device if not isinstance(params[0], DTensor) else params[0]._local_tensor.device
             backend_dev = device if torch.distributed.get_backend() != "gloo" else torch.device("cpu")
@@ -539,10 +539,7 @@ class LowBitAdamW(torch.optim.Optimizer):
                 loss = closure()
 
         checked, self.grads_checked = self.grads_checked, False
-        if self._deferred.pending():
-            # Distributed: read the previous step's flags on every rank (long on the host
-            # by now), so all ranks raise at the same step; alone, only what has arrived.
-            self._raise_nonfinite(wait=self._step_plan is not None and self._step_plan.distributed)
+        self.raise_pending_nonfinite()
         plan, raw_grads = self._checked_plan()
         if plan is None:
             return loss
@@ -571,14 +568,13 @@ class LowBitAdamW(torch.optim.Optimizer):
                              ([self._kernel_tensor(p, fam.cfg) for p in fam.params], fam_grads)))
 
         if check is not None:
-            bad = self._nonfinite_param(plan.params, check)
+            bad = self._nonfinite_param(plan, check)
             if bad is not None:
                 self.count_skipped_step(f"param '{bad}'" if bad else "a parameter on another rank")
                 return loss
 
         if self._master_pending:
             self._take_masters(plan.params)
-        step_number = int(self.state[plan.params[0]]["step"]) + 1
         for fam, hyper, guard, launches, reference in work:
             fam.step += 1
             if launches is not None:
@@ -587,7 +583,7 @@ class LowBitAdamW(torch.optim.Optimizer):
             else:
                 adamw_step_reference(fam.cfg, *reference, hyper, guard)
         if guarded:
-            self._deferred.end_step(step_number, plan.distributed)
+            self._deferred.end_step(int(self.state[plan.params[0]]["step"]) + 1, plan.distributed)
         # The step counts last: the kernels take theirs from the families (fam.step), and
         # this host-side op then runs while the GPU steps.
         if plan.all_params:
@@ -601,6 +597,15 @@ class LowBitAdamW(torch.optim.Optimizer):
         ``FloatingPointError`` naming a parameter whose gradient held an inf/nan
         (``nonfinite_grad="raise"``; ``step()`` and ``state_dict()`` do this on their own)."""
         self._raise_nonfinite(wait=True)
+
+    def raise_pending_nonfinite(self) -> None:
+        """The check that starts every ``step()``: raise for an earlier step whose
+        in-kernel flags show an inf/nan gradient. Distributed, the previous step's flags
+        are read on every rank (long on the host by now), so all ranks raise at the same
+        step; alone, only what has arrived (and any older than the previous step). A
+        container of several optimizers calls it on all of them before stepping any."""
+        if self._deferred.pending():
+            self._raise_nonfinite(wait=self._step_plan is not None and self._step_plan.distributed)
 
     def _raise_nonfinite(self, wait: bool) -> None:
         report = self._deferred.collect(wait)
@@ -632,7 +637,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         plan, raw_grads = self._checked_plan()
         if plan is None:
             return None
-        return self._nonfinite_param(plan.params, self._nonfinite_launch(plan.local_grads(self, raw_grads)))
+        return self._nonfinite_param(plan, self._nonfinite_launch(plan.local_grads(self, raw_grads)))
 
     def _checked_plan(self) -> tuple[Optional["_StepPlan"], list]:
         """The step plan of the parameters that have gradients (None if none has), after
