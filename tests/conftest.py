@@ -5,7 +5,9 @@ set here, before any test module imports triton (Triton fixes a kernel's mode wh
 kernel is defined).
 """
 
+import atexit
 import os
+import pickle
 import re
 import shutil
 import socket
@@ -27,6 +29,7 @@ DEBUG_CONFIG = ROOT / "train_configs" / "llama3_debug.toml"
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from runs import resume_dump, step_losses  # noqa: E402,F401  (tests import step_losses from here)
+from fork_launcher import Launcher  # noqa: E402
 
 
 # gloo's teardown (torch 2.13, CPU) now and then aborts one rank at exit with SIGABRT,
@@ -55,15 +58,70 @@ def run_once_more_after_teardown_abort(cmd: list[str], env: dict, timeout: int, 
     """Run a torchrun command from the repository root; run it once more when it failed
     only by a rank's abort in gloo's teardown after it printed ``finished``, first calling
     ``before_retry()`` (to put back the files the first run found)."""
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    def run() -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    return _once_more_after_teardown_abort(run, " ".join(cmd), nproc, finished, before_retry)
+
+
+def _once_more_after_teardown_abort(run, what: str, nproc: int, finished: str,
+                                    before_retry) -> subprocess.CompletedProcess:
+    proc = run()
     if nproc > 1 and aborted_at_teardown(proc, finished):
-        warnings.warn(f"a gloo rank aborted at exit after the run finished; ran again: "
-                      f"{' '.join(cmd)}")
+        warnings.warn(f"a gloo rank aborted at exit after the run finished; ran again: {what}")
         if before_retry is not None:
             before_retry()
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        proc = run()
     return proc
+
+
+# ---- how runs of several processes start -------------------------------------------------
+# By default a test's torchrun-style run forks its ranks from one server process that has
+# imported torch, torchtitan and titan_lowbit once (tests/fork_launcher.py: each rank gets
+# torchrun's environment and its output is reported as torchrun's), which saves about 13 s
+# of imports per run. TITAN_LOWBIT_TEST_LAUNCHER=torchrun runs every one through real
+# torchrun (and scripts/train.sh) instead. Tests of train.sh itself, of torchrun's report
+# and of the launcher's errors always use the real ones.
+LAUNCHER_VARIABLE = "TITAN_LOWBIT_TEST_LAUNCHER"
+_launcher: Launcher | None = None
+
+
+def cpu_run_env(**extra: str) -> dict[str, str]:
+    """The environment scripts/train.sh gives its ranks on the CPU path."""
+    return {**os.environ, "TITAN_LOWBIT_DEVICE": "cpu",
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **extra}
+
+
+def fork_launcher(env: dict[str, str]) -> Launcher | None:
+    """The session's fork server when runs may use it and ``env`` is one it can run
+    (see fork_launcher.Launcher.can_run); None for real torchrun."""
+    global _launcher
+    choice = os.environ.get(LAUNCHER_VARIABLE, "fork")
+    if choice not in ("fork", "torchrun"):
+        raise ValueError(f"{LAUNCHER_VARIABLE}={choice!r}: use 'fork' (the default) or "
+                         "'torchrun'")
+    if choice == "torchrun":
+        return None
+    if _launcher is None:
+        _launcher = Launcher(cpu_run_env(), ROOT)
+        atexit.register(_launcher.close)
+    return _launcher if _launcher.can_run(env) else None
+
+
+def torchrun(target: list[str], nproc: int, env: dict[str, str], timeout: int,
+             finished: str = TRAINING_FINISHED, before_retry=None,
+             torchrun_flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node=nproc *target`` from the repository root
+    (target: ``["-m", module, *argv]`` or ``[script, *argv]``), forked from the session's
+    server where it can run it; once more after a teardown abort, as above."""
+    launcher = fork_launcher(env)
+    if launcher is not None:
+        return _once_more_after_teardown_abort(
+            lambda: launcher.launch(target, nproc, env, ROOT, timeout),
+            f"(forked) {' '.join(target)}", nproc, finished, before_retry)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", *torchrun_flags, *target]
+    return run_once_more_after_teardown_abort(cmd, env, timeout, nproc, finished, before_retry)
 
 
 def _dump_folder(overrides) -> Path | None:
@@ -87,23 +145,38 @@ def _remove_new_paths(folder: Path, before: set[Path]) -> None:
 
 
 def run_train(*overrides: str, config: Path = DEBUG_CONFIG, nproc: int = 2, timeout: int = 600,
-              check: bool = True) -> subprocess.CompletedProcess:
-    """Run scripts/train.sh on the CPU path with ``nproc`` gloo processes."""
-    env = dict(os.environ, TITAN_LOWBIT_DEVICE="cpu", NPROC=str(nproc), PYTHON=sys.executable)
-    cmd = ["bash", str(ROOT / "scripts" / "train.sh"), str(config),
-           "--metrics.disable_color_printing", *overrides]
+              check: bool = True, launcher: str = "any") -> subprocess.CompletedProcess:
+    """Train with torchtitan's Trainer on the CPU path with ``nproc`` gloo processes: the
+    ranks scripts/train.sh would start, forked from the session's server (see above), or,
+    with ``launcher="train.sh"``, through scripts/train.sh itself."""
+    env = cpu_run_env(NPROC=str(nproc), PYTHON=sys.executable)
     dump = _dump_folder(overrides)
-    if dump is None:  # no folder to put back: a second run could resume the first's checkpoint
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=timeout)
+    before = set(dump.rglob("*")) if dump is not None and dump.exists() else set()
+
+    def put_back() -> None:
+        if dump is not None and dump.exists():
+            _remove_new_paths(dump, before)
+
+    if launcher not in ("any", "train.sh"):
+        raise ValueError(f"launcher={launcher!r}: use 'any' or 'train.sh'")
+    if launcher == "any" and fork_launcher(env) is not None:
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"),
+                        "--if-missing"], cwd=ROOT, check=True, capture_output=True)
+        target = ["-m", "torchtitan.train", "--job.config_file", str(config),
+                  "--metrics.disable_color_printing", *overrides]
+        if dump is None:  # no folder to put back: a second run could resume the first's checkpoint
+            proc = fork_launcher(env).launch(target, nproc, env, ROOT, timeout)
+        else:
+            proc = torchrun(target, nproc, env, timeout, before_retry=put_back)
     else:
-        before = set(dump.rglob("*")) if dump.exists() else set()
-
-        def put_back() -> None:
-            if dump.exists():
-                _remove_new_paths(dump, before)
-
-        proc = run_once_more_after_teardown_abort(cmd, env, timeout, nproc, before_retry=put_back)
+        cmd = ["bash", str(ROOT / "scripts" / "train.sh"), str(config),
+               "--metrics.disable_color_printing", *overrides]
+        if dump is None:  # no folder to put back: a second run could resume the first's checkpoint
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=timeout)
+        else:
+            proc = run_once_more_after_teardown_abort(cmd, env, timeout, nproc,
+                                                      before_retry=put_back)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"train.sh failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
@@ -158,30 +231,56 @@ def _gloo_worker(rank: int, world: int, port: int, scenarios, out_path: str) -> 
         dist.destroy_process_group()
 
 
-def run_on_gloo(scenarios, world: int, out_path: Path):
-    """Run the module-level function ``scenarios(rank)`` on ``world`` spawned CPU
-    processes joined in a gloo process group; return what rank 0 returned.
+def run_on_gloo(scenarios, world: int, out_path: Path, start: str = "auto"):
+    """Run the module-level function ``scenarios(rank)`` on ``world`` CPU processes joined
+    in a gloo process group; return what rank 0 returned. Without a GPU the ranks are
+    forked from the session's launcher (tests/gloo_rank.py, the ranks of train.sh's CPU
+    path: one thread each), else spawned; ``start`` = "fork" or "spawn" picks one.
 
     A rank that aborts in gloo's teardown (see TRAINING_FINISHED above) after rank 0 has
     written the results, which it does only after every rank finished, leaves the results
     valid; one that aborts earlier gets the whole set run once more."""
+    if start not in ("auto", "fork", "spawn"):
+        raise ValueError(f"start={start!r}: use 'auto', 'fork' or 'spawn'")
+    launcher = None
+    if start == "fork" or (start == "auto" and not torch.cuda.is_available()):
+        launcher = fork_launcher(cpu_run_env())
+        if launcher is None and start == "fork":
+            raise RuntimeError(f"run_on_gloo(start='fork'): no fork launcher "
+                               f"({LAUNCHER_VARIABLE}={os.environ.get(LAUNCHER_VARIABLE)!r})")
     for attempt in (1, 2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         out_path.unlink(missing_ok=True)
-        try:
-            mp.spawn(_gloo_worker, args=(world, port, scenarios, str(out_path)), nprocs=world,
-                     join=True)
-        except mp.ProcessExitedException as error:
-            if error.signal_name != "SIGABRT":
-                raise
-            if not out_path.exists():
-                if attempt == 2:
+        if launcher is not None:
+            pickled = out_path.with_name(out_path.name + ".scenarios.pkl")
+            pickled.write_bytes(pickle.dumps(scenarios))
+            proc = launcher.launch([str(ROOT / "tests" / "gloo_rank.py"), str(pickled),
+                                    str(out_path)], world, cpu_run_env(), ROOT, 1800)
+            if proc.returncode == 0:
+                return torch.load(out_path, weights_only=False)
+            aborted = _ROOT_CAUSE_SIGABRT.search(proc.stderr)
+            if aborted is None:
+                raise AssertionError(f"run_on_gloo: a rank failed:\n{proc.stdout[-4000:]}\n"
+                                     f"{proc.stderr[-6000:]}")
+            where = "a rank"
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            try:
+                mp.spawn(_gloo_worker, args=(world, port, scenarios, str(out_path)),
+                         nprocs=world, join=True)
+                return torch.load(out_path, weights_only=False)
+            except mp.ProcessExitedException as error:
+                if error.signal_name != "SIGABRT":
                     raise
-                warnings.warn(f"run_on_gloo: rank {error.error_index} aborted (SIGABRT) "
-                              f"before the results were written; running again")
-                continue
-            warnings.warn(f"run_on_gloo: rank {error.error_index} aborted (SIGABRT) in gloo's "
-                          "teardown after every rank finished; results kept")
+                where = f"rank {error.error_index}"
+        if not out_path.exists():
+            if attempt == 2:
+                raise AssertionError(f"run_on_gloo: {where} aborted (SIGABRT) twice before "
+                                     "the results were written")
+            warnings.warn(f"run_on_gloo: {where} aborted (SIGABRT) before the results were "
+                          "written; running again")
+            continue
+        warnings.warn(f"run_on_gloo: {where} aborted (SIGABRT) in gloo's teardown after every "
+                      "rank finished; results kept")
         return torch.load(out_path, weights_only=False)

@@ -1,6 +1,7 @@
 """BitNet under FSDP2 on two gloo processes (CPU, reference kernels).
 
-One spawn runs every scenario and hands rank 0's measurements to the tests below.
+One gloo run (conftest.run_on_gloo) runs every scenario and hands rank 0's
+measurements to the tests below.
 """
 
 import functools

@@ -1,8 +1,8 @@
 """BitNet under tensor parallelism and FSDP2 x TP on four gloo processes (CPU, reference
 kernels): the sharded layers must compute what the unsharded BitNet model computes.
 
-One spawn runs every scenario on a 2 x 2 mesh (dp, tp) and hands rank 0's measurements
-to the tests below. The model is a llama-style feed-forward, w2(silu(w1 x) * w3 x), with
+One gloo run (conftest.run_on_gloo) runs every scenario on a 2 x 2 mesh (dp, tp) and
+hands rank 0's measurements to the tests below. The model is a llama-style feed-forward, w2(silu(w1 x) * w3 x), with
 w1 and w3 column-wise and w2 row-wise parallel, as torchtitan's plan shards them. The
 input has 38 features (packed all-gather rows are padded) and rows whose abs-max lies on
 different TP shards, so a rank quantizing with its local row maxima would be caught.

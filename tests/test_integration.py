@@ -221,7 +221,8 @@ def test_prepare_data_missing_corpus_is_a_clear_error(tmp_path):
     (("--model.converters", "bitnt"), ["'bitnt'", "'bitnet'"]),
 ])
 def test_launcher_stops_before_training_on_bad_names(override, expect, prepared_data, tmp_path):
-    proc = run_train(*override, "--job.dump_folder", str(tmp_path), nproc=1, check=False)
+    proc = run_train(*override, "--job.dump_folder", str(tmp_path), nproc=1, check=False,
+                     launcher="train.sh")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert not step_losses(out), "training started despite the bad config"

@@ -1,6 +1,7 @@
 """LowBitAdamW under FSDP2 on two gloo processes (CPU, reference path).
 
-One spawn runs every scenario and hands rank 0's results to the tests below:
+One gloo run (conftest.run_on_gloo) runs every scenario and hands rank 0's results to
+the tests below:
 * states are DTensors with the parameter's mesh and placements (eager, before any step);
 * sharded training equals unsharded training bit for bit (the math is per element, and
   stochastic rounding is keyed by the global element index);

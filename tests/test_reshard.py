@@ -5,24 +5,20 @@ tensor, gathered, equals the checkpoint's element for element, and training cont
 without a jump in the loss. A checkpoint from another configuration, or one missing
 optimizer entries, stops the run with both sides named."""
 
-import os
 import subprocess
-import sys
 
 import pytest
 
-from conftest import (DEBUG_CONFIG, ROOT, SAVE_STEP, resume_folder,
-                      run_once_more_after_teardown_abort, run_train, step_losses)
+from conftest import (DEBUG_CONFIG, ROOT, SAVE_STEP, cpu_run_env, resume_folder, run_train,
+                      step_losses, torchrun)
 
 
 def reshard_check(nproc: int, *args: str) -> subprocess.CompletedProcess:
     """tests/reshard_check.py on ``nproc`` gloo processes. It only reads the checkpoint,
     so a run that a rank's abort in gloo's teardown failed after the check passed on every
     rank (see conftest.TRAINING_FINISHED) is run once more."""
-    env = dict(os.environ, TITAN_LOWBIT_DEVICE="cpu", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", str(ROOT / "tests" / "reshard_check.py"), *args]
-    return run_once_more_after_teardown_abort(cmd, env, 900, nproc, finished="RESHARD OK")
+    return torchrun([str(ROOT / "tests" / "reshard_check.py"), *args], nproc, cpu_run_env(), 900,
+                    finished="RESHARD OK")
 
 
 @pytest.mark.parametrize("nproc", [1, 4])

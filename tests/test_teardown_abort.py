@@ -1,7 +1,7 @@
 """The test helpers' handling of gloo's rare abort at exit (conftest.TRAINING_FINISHED):
 a rank killed by SIGABRT after the run finished is recognised from torchrun's real
 report, one killed before is not, and run_on_gloo runs a set again only when a rank
-aborted before the results were written."""
+aborted before the results were written, with its ranks forked or spawned."""
 
 import functools
 import os
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from conftest import TRAINING_FINISHED, aborted_at_teardown, run_on_gloo
+from conftest import LAUNCHER_VARIABLE, TRAINING_FINISHED, aborted_at_teardown, run_on_gloo
 
 SCRIPT = """
 import os, sys, torch.distributed as dist
@@ -50,10 +50,14 @@ def _abort_once(flag: str, rank: int):
     return {"rank": rank, "sum": dist.get_world_size()}
 
 
-def test_run_on_gloo_runs_again_after_an_abort_before_the_results(tmp_path):
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_run_on_gloo_runs_again_after_an_abort_before_the_results(tmp_path, start):
+    if start == "fork" and os.environ.get(LAUNCHER_VARIABLE) == "torchrun":
+        pytest.skip(f"{LAUNCHER_VARIABLE}=torchrun: this session has no fork launcher")
     flag = tmp_path / "aborted_once"
     with pytest.warns(UserWarning, match="before the results were written"):
-        out = run_on_gloo(functools.partial(_abort_once, str(flag)), 2, tmp_path / "res.pt")
+        out = run_on_gloo(functools.partial(_abort_once, str(flag)), 2, tmp_path / "res.pt",
+                          start=start)
     assert flag.exists() and out == {"rank": 0, "sum": 2}
 
 

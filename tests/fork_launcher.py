@@ -1,0 +1,272 @@
+"""torchrun for the tests without the imports: one server process imports torch,
+torchtitan and titan_lowbit once, then starts each run's ranks by fork.
+
+Why: a Trainer run on the CPU path spends about 13 of its 20 seconds importing (torchrun's
+launcher imports torch, each rank imports torchtitan, which pulls in Inductor); CI has
+about forty such runs. Forked ranks start with those modules loaded.
+
+What a forked rank gets is what torchrun gives a worker: the environment of the run with
+RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MASTER_PORT
+set, the working directory, and ``python -m MODULE ARGV`` (or a script path) run as
+``__main__``. Its output is reported as torchrun's ``--local-ranks-filter 0 --tee 3``
+shows it: rank 0's stdout and stderr, each line prefixed ``[rank0]:``. As under torchrun,
+the first rank that fails ends the others (SIGTERM, then SIGKILL), the launch returns 1,
+and a report names that rank and its exit code or signal, with the tail of its stderr.
+
+The server never runs torch work itself, so nothing is forked mid-computation: no thread
+pool of OpenMP, gloo or Triton exists in it yet. Variables read at import
+(``TRITON_INTERPRET``, ``OMP_NUM_THREADS``, ``TITAN_LOWBIT_*``) are fixed when the server
+starts; ``Launcher.can_run`` refuses a run whose environment differs from the server's
+in anything else than the per-run variables, and the caller then uses real torchrun.
+
+Used by tests/conftest.py. ``python tests/fork_launcher.py`` is the server: requests
+and replies are JSON lines on its stdin and stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Variables a run may set differently from the server's start (none is read at import):
+# scripts/train.sh's process count and interpreter, and pytest's name of the running test.
+# (LOG_RANK is not among them: the launcher shows rank 0's output only.)
+PER_RUN = frozenset({"NPROC", "PYTHON", "PYTEST_CURRENT_TEST"})
+# torchrun's worker variables: set here for every rank, never taken from the request.
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                  "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
+                  "MASTER_ADDR", "MASTER_PORT")
+PRELOAD = ("torch", "torch.distributed.checkpoint", "torchtitan.train", "titan_lowbit")
+GRACE_S = 10.0  # after SIGTERM, before SIGKILL
+_REPLIES_FD = -1  # the server's reply pipe; a forked rank closes its copy
+
+
+# ---- client (the pytest process) ---------------------------------------------------------
+
+class Launcher:
+    """A running fork server. ``launch`` returns a ``subprocess.CompletedProcess`` shaped
+    like a torchrun run's."""
+
+    def __init__(self, env: dict[str, str], cwd: Path):
+        self.env = dict(env)
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve())],
+                                     cwd=cwd, env=self.env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        ready = self.proc.stdout.readline()
+        if json.loads(ready or "{}").get("ready") is not True:
+            raise RuntimeError(f"fork launcher did not start (said {ready!r}); its stderr "
+                               "went to the test output")
+
+    def can_run(self, env: dict[str, str]) -> bool:
+        """True when ``env`` equals the server's start environment but for PER_RUN."""
+        keys = (set(env) | set(self.env)) - PER_RUN - set(RANK_VARIABLES)
+        return all(env.get(k) == self.env.get(k) for k in keys)
+
+    def launch(self, target: list[str], nproc: int, env: dict[str, str], cwd: Path,
+               timeout: float) -> subprocess.CompletedProcess:
+        """``target`` is ``["-m", module, *argv]`` or ``[script, *argv]``."""
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"fork launcher exited ({self.proc.returncode})")
+        request = {"target": target, "nproc": nproc, "env": env, "cwd": str(cwd),
+                   "timeout": timeout}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"fork launcher exited ({self.proc.wait()}) during a run")
+        reply = json.loads(line)
+        args = ["fork-launcher", f"--nproc_per_node={nproc}", *target]
+        if reply["timed_out"]:
+            raise subprocess.TimeoutExpired(args, timeout, reply["stdout"], reply["stderr"])
+        return subprocess.CompletedProcess(args, reply["returncode"], reply["stdout"],
+                                           reply["stderr"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
+
+
+# ---- server -------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(target: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> int:
+    """Body of a forked rank: returns its exit status (never returns to the server loop)."""
+    os.close(_REPLIES_FD)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    import runpy
+    import traceback
+
+    from torchtitan.config.manager import ConfigManager
+    status = 0
+    try:
+        # sys.path[0] as python sets it: the working directory for -m, else the script's
+        if target[0] == "-m":
+            sys.path[0] = cwd
+            sys.argv = [target[1], *target[2:]]
+        else:
+            sys.path[0] = str(Path(target[0]).resolve().parent)
+            sys.argv = list(target)
+        # torchtitan's ConfigManager.parse_args takes ``args=sys.argv[1:]`` as a default
+        # argument, bound when the server imported it: bind this rank's.
+        ConfigManager.parse_args.__defaults__ = (sys.argv[1:],)
+        if target[0] == "-m":
+            runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(target[0], run_name="__main__")
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    return status
+
+
+def _describe(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        return f"exitcode  : -{sig} (pid got signal {signal.Signals(sig).name})"
+    return f"exitcode  : {os.WEXITSTATUS(status)}"
+
+
+def _prefixed(text: str, rank: int) -> str:
+    return "".join(f"[rank{rank}]:{line}" for line in text.splitlines(keepends=True))
+
+
+def _run(request: dict) -> dict:
+    nproc, timeout = int(request["nproc"]), float(request["timeout"])
+    port = _free_port()
+    logs = tempfile.mkdtemp(prefix="fork_launcher_")
+    pids: dict[int, int] = {}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for rank in range(nproc):
+        env = {k: v for k, v in request["env"].items() if k not in RANK_VARIABLES}
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                   LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1",
+                   ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc), ROLE_NAME="rank",
+                   MASTER_ADDR="localhost", MASTER_PORT=str(port))
+        pid = os.fork()
+        if pid == 0:
+            status = 1
+            try:
+                status = _rank_main(request["target"], env, request["cwd"],
+                                    f"{logs}/{rank}.out", f"{logs}/{rank}.err")
+            finally:
+                # Flush what the rank printed, then leave without the server's exit path
+                # (its atexit handlers and the pipes to pytest belong to the server).
+                for stream in (sys.stdout, sys.stderr):
+                    try:
+                        stream.flush()
+                    except Exception:
+                        pass
+                os._exit(status if 0 <= status < 256 else 1)
+        pids[pid] = rank
+
+    statuses: dict[int, int] = {}
+
+    def signal_running(sig: int) -> None:
+        for p, r in pids.items():
+            if r not in statuses:
+                try:
+                    os.kill(p, sig)
+                except ProcessLookupError:
+                    pass
+
+    first_failure, timed_out, kill_at = None, False, None
+    deadline = time.monotonic() + timeout
+    while len(statuses) < nproc:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        now = time.monotonic()
+        if pid == 0:
+            if not timed_out and now > deadline:
+                timed_out = True
+                signal_running(signal.SIGKILL)
+            elif kill_at is not None and now > kill_at:
+                signal_running(signal.SIGKILL)
+                kill_at = None
+            time.sleep(0.02)
+            continue
+        rank = pids[pid]
+        statuses[rank] = status
+        failed = not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0)
+        if failed and first_failure is None and not timed_out:
+            first_failure = rank  # torchrun's agent stops the other workers likewise
+            signal_running(signal.SIGTERM)
+            kill_at = now + GRACE_S
+
+    def read(rank: int, stream: str) -> str:
+        try:
+            return Path(f"{logs}/{rank}.{stream}").read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    stdout, stderr = _prefixed(read(0, "out"), 0), _prefixed(read(0, "err"), 0)
+    returncode = 0
+    if first_failure is not None:
+        returncode = 1
+        tail = "".join(read(first_failure, "err").splitlines(keepends=True)[-60:])
+        stderr += ("fork_launcher: a rank failed; the others were stopped\n"
+                   "Root Cause (first observed failure):\n"
+                   f"[0]:\n  rank      : {first_failure} (local_rank: {first_failure})\n"
+                   f"  {_describe(statuses[first_failure])}\n"
+                   f"  stderr tail of rank {first_failure}:\n{tail}")
+    for rank in range(nproc):
+        for stream in ("out", "err"):
+            Path(f"{logs}/{rank}.{stream}").unlink(missing_ok=True)
+    os.rmdir(logs)
+    return {"returncode": returncode, "stdout": stdout, "stderr": stderr,
+            "timed_out": timed_out}
+
+
+def serve() -> None:
+    # Replies go to the original stdout; anything the server or an import prints goes to
+    # stderr, so it cannot corrupt a reply.
+    global _REPLIES_FD
+    _REPLIES_FD = os.dup(1)
+    replies = os.fdopen(_REPLIES_FD, "w")
+    os.dup2(2, 1)
+    import importlib
+    for name in PRELOAD:
+        importlib.import_module(name)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    replies.write(json.dumps({"ready": True}) + "\n")
+    replies.flush()
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        replies.write(json.dumps(_run(json.loads(line))) + "\n")
+        replies.flush()
+
+
+if __name__ == "__main__":
+    serve()

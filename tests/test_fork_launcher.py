@@ -1,0 +1,119 @@
+"""tests/fork_launcher.py, the tests' torchrun without the imports: its ranks see what
+torchrun's workers see (compared with a real torchrun run of the same script), a failing
+rank stops the others and is named in a torchrun-style report that conftest's abort
+handling reads as it reads torchrun's, a run past its time is killed and the server goes
+on, and an environment the server was not started with is refused."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, TRAINING_FINISHED, aborted_at_teardown, cpu_run_env, fork_launcher
+from fork_launcher import Launcher
+from test_teardown_abort import SCRIPT as ABORT  # rank 1 aborts, after or before rank 0 finished
+
+SHOW = """
+import json, os, sys, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+total = torch.ones(1) * (dist.get_rank() + 1)
+dist.all_reduce(total)
+keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+        "ROLE_WORLD_SIZE", "MASTER_ADDR", "TITAN_LOWBIT_DEVICE", "OMP_NUM_THREADS")
+seen = {k: os.environ.get(k) for k in keys}
+seen.update(argv=sys.argv[1:], cwd=os.getcwd(), path0=sys.path[0], name=__name__,
+            total=total.item(), threads=torch.get_num_threads())
+print("SEEN " + json.dumps(seen), flush=True)
+dist.destroy_process_group()
+"""
+
+FAIL = """
+import sys, time, torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    raise ValueError("rank one refuses: " + sys.argv[1])
+dist.barrier()  # rank 0 waits here until the launcher stops it
+"""
+
+
+@pytest.fixture(scope="module")
+def launcher():
+    """The session's fork server, or one of its own when the session runs real torchrun."""
+    env = cpu_run_env()
+    own = None
+    found = fork_launcher(env)
+    if found is None:
+        found = own = Launcher(env, ROOT)
+    yield found
+    if own is not None:
+        own.close()
+
+
+def script(tmp_path, text: str):
+    path = tmp_path / "script.py"
+    path.write_text(text)
+    return str(path)
+
+
+def seen(stdout: str) -> dict:
+    lines = [line for line in stdout.splitlines() if "SEEN " in line]
+    assert len(lines) == 1, stdout[-3000:]  # rank 0's only, as --local-ranks-filter 0 shows
+    return json.loads(lines[0].split("SEEN ", 1)[1])
+
+
+def test_ranks_see_what_torchrun_gives_its_workers(launcher, tmp_path):
+    path = script(tmp_path, SHOW)
+    env = cpu_run_env()
+    forked = launcher.launch([path, "a", "--b=1"], 2, env, ROOT, 120)
+    assert forked.returncode == 0, forked.stderr[-3000:]
+    assert all(line.startswith("[rank0]:") for line in forked.stdout.splitlines())
+    real = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=2", "--local-ranks-filter", "0", "--role", "rank",
+                           "--tee", "3", path, "a", "--b=1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert real.returncode == 0, real.stderr[-3000:]
+    assert seen(forked.stdout) == seen(real.stdout)
+    assert seen(forked.stdout)["total"] == 3.0 and seen(forked.stdout)["threads"] == 1
+
+
+def test_module_target_runs_as_main_from_the_working_directory(launcher, tmp_path):
+    (tmp_path / "shown_module.py").write_text(SHOW)
+    proc = launcher.launch(["-m", "shown_module", "x"], 1, cpu_run_env(), tmp_path, 120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shown = seen(proc.stdout)
+    assert shown["argv"] == ["x"] and shown["name"] == "__main__"
+    assert shown["cwd"] == shown["path0"] == str(tmp_path) and shown["WORLD_SIZE"] == "1"
+
+
+def test_a_failing_rank_stops_the_others_and_is_named(launcher, tmp_path):
+    proc = launcher.launch([script(tmp_path, FAIL), "because"], 2, cpu_run_env(), ROOT, 120)
+    assert proc.returncode == 1
+    assert "Root Cause (first observed failure)" in proc.stderr
+    assert "rank      : 1" in proc.stderr and "exitcode  : 1" in proc.stderr
+    assert "ValueError: rank one refuses: because" in proc.stderr
+    assert not aborted_at_teardown(proc)
+
+
+@pytest.mark.parametrize("when, expected", [("after", True), ("before", False)])
+def test_report_of_an_abort_reads_as_torchruns(launcher, tmp_path, when, expected):
+    proc = launcher.launch([script(tmp_path, ABORT), when, TRAINING_FINISHED], 2,
+                           cpu_run_env(), ROOT, 120)
+    assert proc.returncode == 1 and "SIGABRT" in proc.stderr, proc.stderr[-3000:]
+    assert aborted_at_teardown(proc) is expected, proc.stderr[-3000:]
+
+
+def test_a_run_past_its_time_is_killed_and_the_server_goes_on(launcher, tmp_path):
+    slow = script(tmp_path, "import time\ntime.sleep(600)\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        launcher.launch([slow], 2, cpu_run_env(), ROOT, 2)
+    proc = launcher.launch([script(tmp_path, SHOW)], 2, cpu_run_env(), ROOT, 120)
+    assert proc.returncode == 0 and seen(proc.stdout)["total"] == 3.0, proc.stderr[-3000:]
+
+
+def test_an_environment_read_at_import_is_refused(launcher):
+    assert launcher.can_run(cpu_run_env(NPROC="4", MASTER_PORT="1234"))
+    assert not launcher.can_run(cpu_run_env(TRITON_INTERPRET="0" if os.environ.get(
+        "TRITON_INTERPRET") == "1" else "1"))
+    assert not launcher.can_run(cpu_run_env(TITAN_LOWBIT_DEVICE="cuda"))
