@@ -539,3 +539,50 @@ def unpack_ternary_reference(packed: torch.Tensor, cols: int) -> torch.Tensor:
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32, device=packed.device)
     codes = (packed.to(torch.int32)[:, :, None] >> shifts) & 3
     return (codes.reshape(packed.shape[0], -1)[:, :cols] - 1).to(torch.int8)
+
+
+@triton.jit
+def _transpose_codes_kernel(src_ptr, dst_ptr, R, C, stride_sr,
+                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # dst[c, r] = src[r, c]: src int8 [R, C] (rows stride_sr apart), dst int8 [C, R]
+    # contiguous. One tile read row-major and written transposed, both coalesced (the
+    # compiler moves the tile through shared memory for tl.trans).
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m = (rows < R)[:, None] & (cols < C)[None, :]
+    t = tl.load(src_ptr + rows.to(tl.int64)[:, None] * stride_sr + cols[None, :], mask=m)
+    tl.store(dst_ptr + cols.to(tl.int64)[:, None] * R + rows[None, :], tl.trans(t),
+             mask=tl.trans(m))
+
+
+_TRANSPOSE_CODES = FastKernel(_transpose_codes_kernel)
+
+
+def transpose_codes(codes: torch.Tensor) -> torch.Tensor:
+    """int8 [R, C] -> its transpose [C, R], contiguous: grad_input's K-major operand for a
+    weight whose codes came without it (FSDP2's all-gathered weight). torch's generic
+    ``codes.t().contiguous()`` moves single bytes along strided rows; on the H100 it took
+    longer than quantizing the weight from its bf16 values (docs/bitnet.md)."""
+    _check_codes("transpose_codes", codes)
+    R, C = codes.shape
+    out = torch.empty((C, R), dtype=torch.int8, device=codes.device)
+    if R == 0 or C == 0:
+        return out
+    if codes.stride(1) != 1:
+        codes = codes.contiguous()
+    block = 64
+    _TRANSPOSE_CODES((_cdiv(R, block), _cdiv(C, block)), (codes, out, R, C, codes.stride(0)),
+                     BLOCK_R=block, BLOCK_C=block, num_warps=4)
+    return out
+
+
+def transpose_codes_reference(codes: torch.Tensor) -> torch.Tensor:
+    """Pure-PyTorch reference of ``transpose_codes``."""
+    _check_codes("transpose_codes", codes)
+    return codes.t().contiguous()
+
+
+def _check_codes(name: str, codes: torch.Tensor) -> None:
+    _check_2d(f"{name} input", codes)
+    if codes.dtype != torch.int8:
+        raise TypeError(f"BitNet: {name} takes int8 codes, got {codes.dtype}")

@@ -186,6 +186,21 @@ def test_ternarize_from_sum_transposed_writes_both_layouts(shape, dtype):
     _assert_codes_match(codes, bq.ternarize_reference(w, bq.absmean_scale_reference(w, abs_sum, numel)))
 
 
+@pytest.mark.parametrize("shape", ROW_SHAPES + [(65, 130), (130, 65), (64, 64)])
+def test_transpose_codes_matches_reference(shape):
+    """grad_input's K-major operand for codes that came without it: the kernel's transpose
+    equals the reference's, for ragged tiles both ways and for rows with a stride."""
+    codes = torch.randint(-128, 128, shape, device=DEVICE, dtype=torch.int8)
+    out = _twice(bq.transpose_codes, codes)
+    assert out.shape == (shape[1], shape[0]) and out.is_contiguous()
+    assert torch.equal(out, bq.transpose_codes_reference(codes))
+    wide = torch.randint(-128, 128, (shape[0], shape[1] + 5), device=DEVICE, dtype=torch.int8)
+    assert torch.equal(bq.transpose_codes(wide[:, 3:3 + shape[1]]),
+                       bq.transpose_codes_reference(wide[:, 3:3 + shape[1]]))
+    with pytest.raises(TypeError, match="transpose_codes takes int8"):
+        bq.transpose_codes(codes.to(torch.int32))
+
+
 @pytest.mark.parametrize("shape", ROW_SHAPES)
 def test_prepared_ternarize_from_sum_follows_its_inputs(shape):
     """A prepared launch (FSDP2's per-step re-pack) rewrites its buffers from the weight's

@@ -70,6 +70,7 @@ def _worker(fast: bool) -> None:
         "ternarize_from_sum_packed": (lambda: bq.ternarize_from_sum(w, s, w.numel(), pack=True), [w, s]),
         "ternarize_from_sum_prepared": (prepared[0], [w72, s, prepared[1], prepared[2]]),
         "unpack_ternary": (lambda: bq.unpack_ternary(packed, 256), [packed]),
+        "transpose_codes": (lambda: bq.transpose_codes(t8), [t8]),
         "int8_mm_pointer": (lambda: mm.int8_matmul_scaled(q8, t8, sx, g, torch.bfloat16, impl="pointer"),
                             [q8, t8, sx, g]),
         "int8_mm_tma": (lambda: mm.int8_matmul_scaled(q8, t8, sx, g, torch.bfloat16, impl="tma"),

@@ -83,6 +83,12 @@ def _dequantize_rows(q, scale, dtype, traced=False):
     return _q.dequantize_rows_reference(q, scale, dtype)
 
 
+def _transpose_codes(codes, traced=False):
+    if _on_gpu(codes) and not traced:
+        return _q.transpose_codes(codes)
+    return _q.transpose_codes_reference(codes)
+
+
 def _int8_mm(a, b, a_scale, b_scale, out_dtype, traced=False):
     if _on_gpu(a):
         return _mm.int8_matmul_scaled(a, b, a_scale, b_scale, out_dtype, traced=traced)
@@ -172,7 +178,7 @@ def _linear_backward(dy: torch.Tensor, x_codes: torch.Tensor, x_scale: torch.Ten
         if int8_backward:
             dy_codes, dy_scale = _quantize_rows(dy, dy_amax, traced)
             # The int8 tensor cores take the ternary weight K-major ([K, N]).
-            w_kn = w_codes if w_transposed else w_codes.t().contiguous()
+            w_kn = w_codes if w_transposed else _transpose_codes(w_codes, traced)
             dx = _int8_mm(dy_codes, w_kn, dy_scale, w_scale, dy.dtype, traced)
         else:
             w_nk = w_codes.t() if w_transposed else w_codes
