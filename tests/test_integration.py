@@ -216,13 +216,16 @@ def test_prepare_data_missing_corpus_is_a_clear_error(tmp_path):
 
 # ---- bad input stops the real launcher before training ---------------------------------
 
-@pytest.mark.parametrize("override,expect", [
-    (("--optimizer.name", "AdamW9bit"), ["'AdamW9bit'", "'AdamW8bit'"]),
-    (("--model.converters", "bitnt"), ["'bitnt'", "'bitnet'"]),
+@pytest.mark.parametrize("override,expect,launcher", [
+    (("--optimizer.name", "AdamW9bit"), ["'AdamW9bit'", "'AdamW8bit'"], "train.sh"),
+    (("--model.converters", "bitnt"), ["'bitnt'", "'bitnet'"], "any"),
 ])
-def test_launcher_stops_before_training_on_bad_names(override, expect, prepared_data, tmp_path):
+def test_launcher_stops_before_training_on_bad_names(override, expect, launcher, prepared_data,
+                                                      tmp_path):
+    """Through scripts/train.sh and torchrun once; the second name through the tests'
+    launcher (the same Trainer start-up, without the imports)."""
     proc = run_train(*override, "--job.dump_folder", str(tmp_path), nproc=1, check=False,
-                     launcher="train.sh")
+                     launcher=launcher)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert not step_losses(out), "training started despite the bad config"
