@@ -9,7 +9,7 @@ STEPS = 3
 
 
 def train(tmp_path, *overrides, nproc=2, check=True):
-    return run_train("--training.steps", str(STEPS), "--validation.freq", "1000",
+    return run_train("--training.steps", str(STEPS), "--validation.no-enable",
                      "--lr_scheduler.total_steps", "8", "--job.dump_folder", str(tmp_path),
                      *overrides, nproc=nproc, check=check)
 

@@ -106,7 +106,7 @@ def test_checkpoint_missing_optimizer_entries_stops_naming_them(two_process_chec
 def test_checkpoint_from_four_processes_reshards_into_two(tmp_path, prepared_data):
     dump = tmp_path / "four"
     overrides = ("--optimizer.name", "AdamW8bit", "--lowbit.weight_dtype", "bfloat16",
-                 "--lowbit.weight_update", "stochastic", "--validation.freq", "1000",
+                 "--lowbit.weight_update", "stochastic", "--validation.no-enable",
                  "--checkpoint.enable", "--checkpoint.interval", "2",
                  "--job.dump_folder", str(dump))
     run_train(*overrides, "--training.steps", "2", nproc=4)
