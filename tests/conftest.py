@@ -109,8 +109,7 @@ def fork_launcher(env: dict[str, str]) -> Launcher | None:
 
 
 def torchrun(target: list[str], nproc: int, env: dict[str, str], timeout: int,
-             finished: str = TRAINING_FINISHED, before_retry=None,
-             torchrun_flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+             finished: str = TRAINING_FINISHED, before_retry=None) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc_per_node=nproc *target`` from the repository root
     (target: ``["-m", module, *argv]`` or ``[script, *argv]``), forked from the session's
     server where it can run it; once more after a teardown abort, as above."""
@@ -120,7 +119,7 @@ def torchrun(target: list[str], nproc: int, env: dict[str, str], timeout: int,
             lambda: launcher.launch(target, nproc, env, ROOT, timeout),
             f"(forked) {' '.join(target)}", nproc, finished, before_retry)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", *torchrun_flags, *target]
+           f"--nproc_per_node={nproc}", *target]
     return run_once_more_after_teardown_abort(cmd, env, timeout, nproc, finished, before_retry)
 
 
@@ -159,13 +158,15 @@ def run_train(*overrides: str, config: Path = DEBUG_CONFIG, nproc: int = 2, time
 
     if launcher not in ("any", "train.sh"):
         raise ValueError(f"launcher={launcher!r}: use 'any' or 'train.sh'")
-    if launcher == "any" and fork_launcher(env) is not None:
+    forked = fork_launcher(env) if launcher == "any" else None
+    if forked is not None:
+        # what train.sh does before it starts torchrun
         subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"),
                         "--if-missing"], cwd=ROOT, check=True, capture_output=True)
         target = ["-m", "torchtitan.train", "--job.config_file", str(config),
                   "--metrics.disable_color_printing", *overrides]
         if dump is None:  # no folder to put back: a second run could resume the first's checkpoint
-            proc = fork_launcher(env).launch(target, nproc, env, ROOT, timeout)
+            proc = forked.launch(target, nproc, env, ROOT, timeout)
         else:
             proc = torchrun(target, nproc, env, timeout, before_retry=put_back)
     else:
