@@ -64,16 +64,25 @@ class Launcher:
             raise RuntimeError(f"fork launcher did not start (said {ready!r}); its stderr "
                                "went to the test output")
 
+    def differences(self, env: dict[str, str]) -> list[str]:
+        """The variables in which ``env`` differs from the server's start environment,
+        PER_RUN and torchrun's worker variables aside."""
+        keys = (set(env) | set(self.env)) - PER_RUN - set(RANK_VARIABLES)
+        return sorted(k for k in keys if env.get(k) != self.env.get(k))
+
     def can_run(self, env: dict[str, str]) -> bool:
         """True when ``env`` equals the server's start environment but for PER_RUN."""
-        keys = (set(env) | set(self.env)) - PER_RUN - set(RANK_VARIABLES)
-        return all(env.get(k) == self.env.get(k) for k in keys)
+        return not self.differences(env)
 
     def launch(self, target: list[str], nproc: int, env: dict[str, str], cwd: Path,
                timeout: float) -> subprocess.CompletedProcess:
         """``target`` is ``["-m", module, *argv]`` or ``[script, *argv]``."""
         if self.proc.poll() is not None:
             raise RuntimeError(f"fork launcher exited ({self.proc.returncode})")
+        if differing := self.differences(env):
+            raise ValueError(f"fork launcher: the run's environment differs in {differing} "
+                             "from the server's, which read them at import; run it through "
+                             "real torchrun (conftest.torchrun does when can_run says no)")
         request = {"target": target, "nproc": nproc, "env": env, "cwd": str(cwd),
                    "timeout": timeout}
         self.proc.stdin.write(json.dumps(request) + "\n")

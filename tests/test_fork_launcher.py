@@ -117,3 +117,5 @@ def test_an_environment_read_at_import_is_refused(launcher):
     assert not launcher.can_run(cpu_run_env(TRITON_INTERPRET="0" if os.environ.get(
         "TRITON_INTERPRET") == "1" else "1"))
     assert not launcher.can_run(cpu_run_env(TITAN_LOWBIT_DEVICE="cuda"))
+    with pytest.raises(ValueError, match="TITAN_LOWBIT_DEVICE"):
+        launcher.launch(["unused.py"], 1, cpu_run_env(TITAN_LOWBIT_DEVICE="cuda"), ROOT, 10)
