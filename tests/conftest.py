@@ -10,7 +10,6 @@ import os
 import pickle
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import warnings
@@ -29,7 +28,7 @@ DEBUG_CONFIG = ROOT / "train_configs" / "llama3_debug.toml"
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from runs import resume_dump, step_losses  # noqa: E402,F401  (tests import step_losses from here)
-from fork_launcher import Launcher  # noqa: E402
+from fork_launcher import Launcher, free_port  # noqa: E402
 
 
 # gloo's teardown (torch 2.13, CPU) now and then aborts one rank at exit with SIGABRT,
@@ -153,7 +152,7 @@ def run_train(*overrides: str, config: Path = DEBUG_CONFIG, nproc: int = 2, time
     before = set(dump.rglob("*")) if dump is not None and dump.exists() else set()
 
     def put_back() -> None:
-        if dump is not None and dump.exists():
+        if dump.exists():
             _remove_new_paths(dump, before)
 
     if launcher not in ("any", "train.sh"):
@@ -165,19 +164,22 @@ def run_train(*overrides: str, config: Path = DEBUG_CONFIG, nproc: int = 2, time
                         "--if-missing"], cwd=ROOT, check=True, capture_output=True)
         target = ["-m", "torchtitan.train", "--job.config_file", str(config),
                   "--metrics.disable_color_printing", *overrides]
-        if dump is None:  # no folder to put back: a second run could resume the first's checkpoint
-            proc = forked.launch(target, nproc, env, ROOT, timeout)
-        else:
-            proc = torchrun(target, nproc, env, timeout, before_retry=put_back)
+        what = f"(forked) {' '.join(target)}"
+
+        def run() -> subprocess.CompletedProcess:
+            return forked.launch(target, nproc, env, ROOT, timeout)
     else:
         cmd = ["bash", str(ROOT / "scripts" / "train.sh"), str(config),
                "--metrics.disable_color_printing", *overrides]
-        if dump is None:  # no folder to put back: a second run could resume the first's checkpoint
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+        what = " ".join(cmd)
+
+        def run() -> subprocess.CompletedProcess:
+            return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                                   timeout=timeout)
-        else:
-            proc = run_once_more_after_teardown_abort(cmd, env, timeout, nproc,
-                                                      before_retry=put_back)
+    if dump is None:  # no folder to put back: a second run could resume the first's checkpoint
+        proc = run()
+    else:
+        proc = _once_more_after_teardown_abort(run, what, nproc, TRAINING_FINISHED, put_back)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"train.sh failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
@@ -264,11 +266,8 @@ def run_on_gloo(scenarios, world: int, out_path: Path, start: str = "auto"):
                                      f"{proc.stderr[-6000:]}")
             where = "a rank"
         else:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
             try:
-                mp.spawn(_gloo_worker, args=(world, port, scenarios, str(out_path)),
+                mp.spawn(_gloo_worker, args=(world, free_port(), scenarios, str(out_path)),
                          nprocs=world, join=True)
                 return torch.load(out_path, weights_only=False)
             except mp.ProcessExitedException as error:

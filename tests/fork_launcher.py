@@ -110,7 +110,8 @@ class Launcher:
 
 # ---- server -------------------------------------------------------------------------------
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago (the rendezvous port)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -173,7 +174,7 @@ def _prefixed(text: str, rank: int) -> str:
 
 def _run(request: dict) -> dict:
     nproc, timeout = int(request["nproc"]), float(request["timeout"])
-    port = _free_port()
+    port = free_port()
     logs = tempfile.mkdtemp(prefix="fork_launcher_")
     pids: dict[int, int] = {}
     sys.stdout.flush()

@@ -30,7 +30,7 @@ dist.destroy_process_group()
 """
 
 FAIL = """
-import sys, time, torch.distributed as dist
+import sys, torch.distributed as dist
 dist.init_process_group("gloo")
 if dist.get_rank() == 1:
     raise ValueError("rank one refuses: " + sys.argv[1])
