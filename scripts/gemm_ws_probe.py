@@ -6,9 +6,10 @@ output tiles fill 2.67 waves of 132 SMs)?
 
     python3 scripts/gemm_ws_probe.py
 
-Every candidate's output is compared with torch.equal against the repository kernel
-(int8) or against a float64-free reference of the same bf16 inputs (bf16: max abs error
-against cuBLAS's, printed). Configs that fail to compile print their error and are skipped.
+Every int8 candidate's output is compared with torch.equal against the repository
+kernel's; for bf16 the max abs difference from cuBLAS's output is printed. Configs that
+fail to compile print their error and are skipped. Figures in docs/bitnet.md ("Warp
+specialization, clusters, and a grad_weight that dequantizes x itself").
 """
 import sys
 

@@ -6,7 +6,8 @@ inside the matmul, against today's path (dequantize_rows kernel, then cuBLAS dy^
 Variant "x-regs": computes dW^T = x^T dy, x^ as wgmma's A operand made in registers from
 the int8 tile; the tile leaves transposed. Variant "x-smem": dW = dy^T x^, x^ as the B
 operand (Triton stages it through shared memory). Outputs compared with the cuBLAS path
-(max abs difference: the sums are the same products in another order).
+(max abs difference: the sums are the same products in another order). Figures in
+docs/bitnet.md, next to those of scripts/gemm_ws_probe.py.
 
     python3 scripts/wgrad_probe.py
 """
