@@ -76,9 +76,6 @@ def probe_kernel(a_desc, b_desc, o_desc, a_scale_ptr, b_scale_ptr, M, N, K,
               BK, GROUP_M, WS_INNER, INT8, A_T, SPLIT)
 
 
-SMS = torch.cuda.get_device_properties(0).multi_processor_count
-
-
 def launch(a, b, sa, sb, out, M, N, K, bm, bn, bk, w, st, persist=0, ws_in=False, ws_out=False,
            int8=True, a_t=False, split=True, ctas=1, group=8):
     if a_t:
@@ -89,7 +86,7 @@ def launch(a, b, sa, sb, out, M, N, K, bm, bn, bk, w, st, persist=0, ws_in=False
         b_desc = TensorDescriptor.from_tensor(b, [bn, bk])
     o_desc = TensorDescriptor.from_tensor(out, [bm, bn // (1 + split)])
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    grid = (min(tiles, persist * SMS),) if persist else (tiles,)
+    grid = (min(tiles, persist * MM._cuda_sm_count(0)),) if persist else (tiles,)
     probe_kernel[grid](a_desc, b_desc, o_desc, sa, sb, M, N, K, BM=bm, BN=bn, BK=bk,
                        GROUP_M=group, PERSIST=persist > 0, WS_INNER=ws_in, WS_OUTER=ws_out,
                        INT8=int8, A_T=a_t, SPLIT=split, num_warps=w, num_stages=st,

@@ -20,8 +20,6 @@ from gemm_ws_probe import bench, first_run  # scripts/, this script's directory
 from titan_lowbit.kernels import bitnet_matmul as MM
 from titan_lowbit.kernels import bitnet_quant as Q
 
-SMS = torch.cuda.get_device_properties(0).multi_processor_count
-
 
 @triton.jit
 def _one(tile, x_desc, s_ptr, dy_desc, o_desc, T, K, N,
@@ -82,7 +80,7 @@ def launch(xq, s, dy, out, bm, bn, bk, w, st, x_regs, persist, group=8):
         dy_desc = TensorDescriptor.from_tensor(dy, [bk, bm])
         o_desc = TensorDescriptor.from_tensor(out, [bm, bn])
         tiles = triton.cdiv(N, bm) * triton.cdiv(K, bn)
-    grid = (min(tiles, persist * SMS),) if persist else (tiles,)
+    grid = (min(tiles, persist * MM._cuda_sm_count(0)),) if persist else (tiles,)
     wgrad_kernel[grid](x_desc, s, dy_desc, o_desc, T, K, N, BM=bm, BN=bn, BK=bk, GROUP_M=group,
                        X_REGS=x_regs, PERSIST=persist > 0, num_warps=w, num_stages=st)
     return out
