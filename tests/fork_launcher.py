@@ -43,7 +43,8 @@ PER_RUN = frozenset({"NPROC", "PYTHON", "PYTEST_CURRENT_TEST"})
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                   "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
                   "MASTER_ADDR", "MASTER_PORT")
-PRELOAD = ("torch", "torch.distributed.checkpoint", "torchtitan.train", "titan_lowbit")
+PRELOAD = ("torch", "torch.distributed.checkpoint", "torchtitan.train",
+           "titan_lowbit.torchtitan")
 GRACE_S = 10.0  # after SIGTERM, before SIGKILL
 _REPLIES_FD = -1  # the server's reply pipe; a forked rank closes its copy
 
