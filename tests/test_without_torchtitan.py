@@ -37,6 +37,12 @@ import titan_lowbit.optim, titan_lowbit.bitnet
 from titan_lowbit.optim import LowBitAdamW
 from titan_lowbit.bitnet import convert_to_bitnet
 after = snapshot()
+from titan_lowbit.bitnet import insert_subln
+try:  # surgery on torchtitan's llama3 blocks: a plain model has none
+    insert_subln(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    subln = "no error"
+except ValueError as error:
+    subln = str(error)
 try:
     import torchtitan
     blocked = False
@@ -46,7 +52,7 @@ print("RESULT " + json.dumps(dict(
     changed=sorted(k for k in before if before[k] != after[k]),
     torchtitan=sorted(m for m in sys.modules if m.split(".")[0] == "torchtitan"),
     titan_lowbit=sorted(m for m in sys.modules if m.split(".")[0] == "titan_lowbit"),
-    blocked=blocked)))
+    subln=subln, blocked=blocked)))
 """
 
 
@@ -73,6 +79,7 @@ def test_optim_and_bitnet_import_without_torchtitan_and_change_nothing(tmp_path)
     assert result["blocked"] and attempts.count("\n\n") == 1, attempts
     # ... and nothing before it tried torchtitan, loaded it, or changed the process
     assert result["torchtitan"] == [] and result["changed"] == []
+    assert "has none" in result["subln"], result["subln"]
     parts = {m.split(".")[1] for m in result["titan_lowbit"] if "." in m}
     assert parts == {"optim", "bitnet", "kernels"}, result["titan_lowbit"]
 
