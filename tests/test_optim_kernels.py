@@ -79,6 +79,8 @@ def _make(cfg, shape, gen, small_block_quant=True, sr_dense=False, spread=0.0, s
         extra = p.float() + torch.randn(shape, generator=gen) * 1e-3
     elif cfg.param_dtype == torch.bfloat16 and cfg.weight_update == K.UPDATE_KAHAN:
         extra = (torch.randn(shape, generator=gen) * 1e-3).to(torch.bfloat16)
+    elif cfg.param_dtype == torch.bfloat16 and cfg.weight_update == K.UPDATE_MASTER_REMAINDER:
+        extra = torch.randint(-(2**15), 2**15, shape, generator=gen, dtype=torch.int16)
     mv = lambda x: None if x is None else x.to(DEV)  # noqa: E731
     stride = cols if sr_dense else cols + 3
     # sr_below_2_32: the tensor's last global index is 2**32 - 1 (the kernel's 32-bit
