@@ -319,11 +319,6 @@ def test_config_accepts_master_remainder():
 WORLD = 2
 
 
-def _model(dtype=torch.bfloat16):
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(300, 70), nn.LayerNorm(70), nn.Linear(70, 130, bias=False)).to(dtype)
-
-
 def _scenarios(rank):
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -334,12 +329,12 @@ def _scenarios(rank):
     kw = dict(lr=1e-2, weight_decay=0.1, weight_update="master_remainder", min_quantized_numel=1000)
     res = {}
 
+    from test_optim_fsdp import _model  # the FSDP2 tests' bf16 model: 35 rows a rank, ragged blocks
+
     def sharded_model():
         m = _model()
-        for mod in m:
-            if isinstance(mod, nn.Linear):
-                fully_shard(mod, mesh=mesh)
-        fully_shard(m, mesh=mesh)
+        for mod in [x for x in m if isinstance(x, nn.Linear)] + [m]:
+            fully_shard(mod, mesh=mesh)
         return m
 
     def train(model, opt, xs):
