@@ -128,7 +128,8 @@ def test_kernel_twins_give_the_reference_bits():
     w, r = _pairs()
     w, r = w.to(dev), r.to(dev)
     x, w2, r2 = torch.empty(w.shape, dtype=torch.float32, device=dev), torch.empty_like(w), torch.empty_like(r)
-    twins[(w.numel() // 2**16,)](w, r, x, w2, r2, N=2**16)
+    n = 2**16 if K.interpreting() else 1024  # the interpreter: few programs of numpy arrays
+    twins[(w.numel() // n,)](w, r, x, w2, r2, N=n)
     x_ref = R.master_rebuild(w.cpu(), r.cpu())
     w2_ref, r2_ref = R.master_split(x_ref)
     assert torch.equal(_bits32(x.cpu()), _bits32(x_ref))
