@@ -26,11 +26,11 @@ Math, per element, all in fp32 (llm.c style; names as in the code)::
               bf16, STOCHASTIC:    p = bf16(truncate(bits(p_new) + (hash(idx) >> 16)))   (NaN -> 0x7FC0)
                                    hash(idx) = mix32(((lo32(idx) ^ tensor_key ^ step_key) + hi32(idx) * GOLDEN32))
               bf16, KAHAN:         s = (p_new - p) + c;  p' = bf16_rne(p + s);  c = bf16_rne(s - (p' - p))
-              bf16, MASTER:        the math above runs on the fp32 master w; w = p_new; p = bf16_rne(w)
-              bf16, MASTER_REMAINDER: the same fp32 master w, held as the bf16 weight p and an int16
-                                   remainder r: w = bits(p) << 16 + r (r sign-extended, mod 2**32);
+              bf16, MASTER_REMAINDER: MASTER's fp32 master w (below), held as the bf16 weight p and an
+                                   int16 remainder r: w = bits(p) << 16 + r (r sign-extended, mod 2**32);
                                    r = low 16 bits of w, p = (bits(w) + 0x8000) >> 16 (nearest, ties
                                    away from zero: see _master_split; a NaN w gives a quiet NaN p)
+              bf16, MASTER:        the math above runs on the fp32 master w; w = p_new; p = bf16_rne(w)
     guard:    (NonfiniteGuard) a block whose new m is not finite (its gradient holds an
               inf/nan) is not written at all (weight, moments, their absmax, extra state keep
               their values) and flags[tensor] = tag
