@@ -16,7 +16,7 @@ from typing import get_args, Literal
 from titan_lowbit.kernels.quant_maps import is_block_size
 
 WeightDtype = Literal["auto", "float32", "bfloat16"]
-WeightUpdate = Literal["nearest", "stochastic", "kahan", "master"]
+WeightUpdate = Literal["nearest", "stochastic", "kahan", "master", "master_remainder"]
 NonfinitePolicy = Literal["raise", "skip"]
 WEIGHT_DTYPES = get_args(WeightDtype)
 WEIGHT_UPDATES = get_args(WeightUpdate)
@@ -35,12 +35,15 @@ class LowBit:
     weight_dtype: WeightDtype = "auto"
     """dtype of the (sharded) parameters: "auto" keeps what torchtitan builds
     (training.dtype), "bfloat16" holds parameters in bf16 (full-BF16 training: no fp32
-    copy of the weights unless weight_update = "master"), "float32" insists on fp32."""
+    copy of the weights unless weight_update = "master"; "master_remainder" keeps its
+    low 16 bits), "float32" insists on fp32."""
 
     weight_update: WeightUpdate = "nearest"
     """How the fp32 AdamW result lands in a bf16 parameter: nearest (plain cast),
     stochastic (stochastic rounding, seeded by debug.seed, step and element), kahan
-    (bf16 compensation buffer), master (fp32 master weights in the optimizer state).
+    (bf16 compensation buffer), master (fp32 master weights in the optimizer state),
+    master_remainder (the same fp32 master weights, bit for bit, kept as the bf16 weight
+    plus a 16-bit remainder in the optimizer state: 2 bytes per parameter instead of 4).
     fp32 parameters are updated exactly: a value other than nearest with every parameter
     in fp32 is refused at start-up (set weight_dtype = "bfloat16")."""
 

@@ -143,8 +143,11 @@ class LowBitAdamW(torch.optim.Optimizer):
         decoupled_weight_decay: True for AdamW, False for Adam (weight decay added to the
             gradient as L2).
         weight_update: how the fp32 result lands in a bf16 parameter: "nearest",
-            "stochastic", "kahan" (bf16 compensation state) or "master" (fp32 master weights
-            as state). fp32 parameters are always updated exactly.
+            "stochastic", "kahan" (bf16 compensation state), "master" (fp32 master weights
+            as state) or "master_remainder" (the same fp32 master weights, bit for bit, held
+            as the bf16 weight and an int16 remainder state: 2 bytes per element instead of
+            4; the weight is the master rounded to nearest with ties away from zero, where
+            "master" rounds ties to even). fp32 parameters are always updated exactly.
         block_size: quantization block along the last dimension (power of two); 0 = the
             format's default.
         min_quantized_numel: parameters with fewer elements keep fp32 states.
@@ -327,6 +330,8 @@ class LowBitAdamW(torch.optim.Optimizer):
             specs["master"] = (tuple(local.shape), torch.float32, tuple(p.shape))
         elif p.dtype == torch.bfloat16 and group["weight_update"] == "kahan":
             specs["kahan_comp"] = (tuple(local.shape), torch.bfloat16, tuple(p.shape))
+        elif p.dtype == torch.bfloat16 and group["weight_update"] == "master_remainder":
+            specs["master_remainder"] = (tuple(local.shape), torch.int16, tuple(p.shape))
         return specs
 
     def _init_states(self, params: list[torch.Tensor], group: dict[str, Any]) -> None:
@@ -779,7 +784,7 @@ class LowBitAdamW(torch.optim.Optimizer):
             ms, vs = _local(state["exp_avg_absmax"]), _local(state["exp_avg_sq_absmax"])
         else:
             m, v, ms, vs = _local(state["exp_avg"]), _local(state["exp_avg_sq"]), None, None
-        extra = state.get("master", state.get("kahan_comp"))
+        extra = state.get("master", state.get("kahan_comp", state.get("master_remainder")))
         return AdamWTensor(param=local, exp_avg=m, exp_avg_sq=v, exp_avg_scale=ms, exp_avg_sq_scale=vs,
                            extra=None if extra is None else _local(extra), rows=rows, cols=cols,
                            sr_base=sr_base, sr_row_stride=sr_row_stride,
