@@ -193,12 +193,12 @@ def test_damaged_state_dict_is_refused_naming_param_and_entry_changing_nothing(w
     params = _params()
     opt = _opt(params, state_format=fmt)
     _run(params, opt, 2)
-    sd = _load(_saved(opt.state_dict()))
+    sd = copy.deepcopy(opt.state_dict())
     sd["param_groups"][0]["lr"] = 0.5  # a valid change the refused load must not apply either
     match = _damage(sd, what)
     twin_params = {n: torch.nn.Parameter(p.detach().clone()) for n, p in params.items()}
     twin = _opt(twin_params, state_format=fmt)
-    twin.load_state_dict(_load(_saved(opt.state_dict())))
+    twin.load_state_dict(copy.deepcopy(opt.state_dict()))
     before = _snapshot(params, opt)
     with pytest.raises(ValueError, match=match):
         opt.load_state_dict(sd)
@@ -218,7 +218,7 @@ def test_skipped_steps_survive_torch_save_and_dcp(tmp_path):
 
     def build():
         model = torch.nn.Linear(64, 32)
-        return model, LowBitAdamW(list(model.named_parameters()), nonfinite_grad="skip", min_quantized_numel=0)
+        return model, LowBitAdamW(list(model.named_parameters()), nonfinite_grad="skip", state_format="fp32")
 
     model, opt = build()
     for bad in (True, False, True):
@@ -493,9 +493,13 @@ def test_compiled_step_equals_eager(backend):
 # 0.05 (the bf16 weight itself). Bounds: about 1.5 to 5 times the measured values.
 TOLERANCE = {"fp32": 2e-6, "bf16": 3e-3, "8bit": 2.5e-2, "4bit": 0.3, "fp8": 5e-2}
 BF16_WEIGHTS = {"nearest": 0.25, "stochastic": 0.3, "kahan": 0.08, "master": 0.08}
+# every format with fp32 weights; every update with bf16 weights, for a plain and a quantized
+# format (the update's share does not depend on the format: measured above)
+DISTANCE_CASES = [c for c in CASES if c[2] == torch.float32 or c[0] in ("fp32", "8bit")]
 
 
-@pytest.mark.parametrize("fmt,update,dtype", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("fmt,update,dtype", DISTANCE_CASES,
+                         ids=[CASE_IDS[CASES.index(c)] for c in DISTANCE_CASES])
 def test_distance_from_torch_adamw(fmt, update, dtype):
     ours = _params(dtype)
     start = {n: p.detach().float().clone() for n, p in ours.items()}
