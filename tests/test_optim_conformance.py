@@ -10,7 +10,8 @@ closures, parameters without gradients, add_param_group, zero_grad; a parameter 
 shape changes; torch.compile around step(); the skip policy's count through both
 checkpoint paths; and the distance from torch.optim.AdamW per format.
 
-Small tensors (the CPU path runs the kernels' PyTorch reference), a few steps each.
+Small tensors, a few steps each: on a GPU the parameters of _params live there (the fused
+kernels run), else on the CPU (the kernels' PyTorch reference).
 """
 
 import copy
@@ -29,6 +30,7 @@ UPDATES = ["nearest", "stochastic", "kahan", "master"]
 # (always updated exactly) once per format
 CASES = ([(f, u, torch.bfloat16) for f in FORMATS for u in UPDATES]
          + [(f, "nearest", torch.float32) for f in FORMATS])
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CASE_IDS = [f"{f}-{u}-{str(d).removeprefix('torch.')}" for f, u, d in CASES]
 
 
@@ -36,7 +38,8 @@ def _params(dtype=torch.float32, seed=0):
     """Two quantized matrices (one with a ragged last block) and a small fp32-state bias."""
     gen = torch.Generator().manual_seed(seed)
     shapes = {"w": (16, 96), "v": (8, 200), "b": (40,)}
-    return {n: torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for n, s in shapes.items()}
+    return {n: torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype=dtype, device=DEVICE))
+            for n, s in shapes.items()}
 
 
 def _opt(params, **kw):
@@ -47,7 +50,7 @@ def _opt(params, **kw):
 def _grads(params, seed):
     gen = torch.Generator().manual_seed(seed)
     for p in params.values():
-        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        p.grad = torch.randn(p.shape, generator=gen).to(dtype=p.dtype, device=p.device)
 
 
 def _run(params, opt, steps, start=0):
@@ -348,7 +351,7 @@ def test_param_groups_with_own_options_step_as_separate_optimizers(fmt):
 
 def test_lr_as_a_tensor_equals_lr_as_a_float():
     a, b = _params(), _params()
-    opt_a = _opt(a, lr=torch.tensor(1e-2))
+    opt_a = _opt(a, lr=torch.tensor(1e-2, device=DEVICE))
     opt_b = _opt(b, lr=1e-2)
     _run(a, opt_a, 2)
     _run(b, opt_b, 2)
@@ -392,7 +395,7 @@ def test_parameters_without_gradients_are_untouched_and_keep_their_step():
 
 def test_add_param_group_mid_training_resumes_through_torch_save():
     params = _params(torch.bfloat16)
-    late = {"late": torch.nn.Parameter(torch.randn(16, 64, dtype=torch.bfloat16))}
+    late = {"late": torch.nn.Parameter(torch.randn(16, 64, dtype=torch.bfloat16, device=DEVICE))}
     opt = _opt({"w": params["w"]}, state_format="4bit", weight_update="master")
     _run(params, opt, 1)
     opt.add_param_group({"params": [("late", late["late"])], "lr": 1e-3, "state_format": "fp8"})
@@ -437,7 +440,7 @@ def test_parameter_that_changes_is_refused_before_any_parameter_steps(change):
         if change == "same numel":
             v.data = v.data.reshape(16, 100).clone()
         elif change == "other numel":
-            v.data = torch.randn(8, 64)
+            v.data = torch.randn(8, 64, device=v.device)
         else:
             v.data = v.data.to(torch.bfloat16)
     _grads(params, 1)
