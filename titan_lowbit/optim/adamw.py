@@ -520,7 +520,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         """What each state tensor of ``p`` must be, for checking a loaded state."""
         fmt, _ = self._format(p, group)
         codecs = {"exp_avg_codes": fmt.m_codec, "exp_avg_sq_codes": fmt.v_codec}
-        return {k: EntrySpec(gshape, shape, dtype, check_kind(k, codecs.get(k, 0)), codecs.get(k, 0))
+        return {k: EntrySpec(gshape, shape, dtype, check_kind(k), codecs.get(k, 0))
                 for k, (shape, dtype, gshape) in self._state_specs(p, group).items()}
 
     def _load(self, state_dict: dict[str, Any], loaded: list) -> None:

@@ -51,9 +51,8 @@ class EntrySpec:
     codec: int = 0  # the codes' codec (CODES / SQUARE_CODES)
 
 
-def check_kind(key: str, codec: int) -> str:
-    """How the values of state entry ``key`` are checked (``codec``: the moment's codec,
-    0 for plain moments)."""
+def check_kind(key: str) -> str:
+    """How the values of state entry ``key`` are checked."""
     if key.endswith("_absmax"):
         return SCALE
     if key.endswith("_codes"):
