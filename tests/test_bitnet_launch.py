@@ -2,8 +2,7 @@
 exactly what Triton's own launch path passes it.
 
 Runs in a fresh process with Triton compiled (not interpreted) and its compiler and
-launcher stubbed out (``scripts/bench_bitnet.py``'s ``stub_triton_launches``), so it
-needs no GPU: the first launch of each specialization goes through Triton
+launcher stubbed out (``tests/triton_stub.py``), so it needs no GPU: the first launch of each specialization goes through Triton
 (``JITFunction.run``, and the autotuner for the int8 matmul), later ones through the
 cache. For each kernel wrapper the test records both launches' arguments and compares
 them: grid, stream, function, metadata and every kernel argument (tensors by dtype,
@@ -34,11 +33,10 @@ def _norm(a, inputs):
 
 
 def _worker(fast: bool) -> None:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_bitnet import _bitnet_gpu_path_on_cpu, stub_triton_launches
+    from triton_stub import bitnet_gpu_path_on_cpu, stub_triton_launches
 
     stub = stub_triton_launches()
-    _bitnet_gpu_path_on_cpu()  # TMA allowed on (aligned) CPU tensors
+    bitnet_gpu_path_on_cpu()  # TMA allowed on (aligned) CPU tensors
     import torch
     from triton import knobs
 
