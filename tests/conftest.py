@@ -36,7 +36,7 @@ from titan_lowbit.run_logs import step_losses  # noqa: E402,F401  (tests import 
 # in torch's C++ teardown, not in the work a test checks, so a run that failed only that
 # way, after rank 0 had finished training, is run once more from the same starting files.
 # Anything else (an error, a hang, an abort before training finished, a second abort)
-# fails the test as before.
+# fails the test.
 TRAINING_FINISHED = "Sleeping 2 seconds for other ranks to complete"  # rank 0, after its last step
 _ROOT_CAUSE_SIGABRT = re.compile(r"Root Cause \(first observed failure\):\s*\n.*?exitcode\s*:\s*-6\b",
                                  re.S)
