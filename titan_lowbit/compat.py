@@ -52,7 +52,7 @@ FENCED = (
                "BitNet launches without JITFunction.run's per-call binding: tens of us of host "
                "time per launch, five to seven launches per layer and step",
                "kernel[grid](...) through Triton"),
-    PrivateUse("triton", "kernels/adamw_lowbit.py (_Plan.launch)",
+    PrivateUse("triton", "kernels/adamw_lowbit.py (FusedAdamW.launch)",
                "the CompiledKernel that kernel[grid](...) returns, launched again by "
                "compiled[(grid, 1, 1)](*args)",
                "about half of the host time of each fused AdamW launch",
