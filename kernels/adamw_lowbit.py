@@ -57,6 +57,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from titan_lowbit.compat import private_api_ok
+
 from .quant_maps import (
     CODEC_DYN4_SIGNED,
     CODEC_DYN8_SIGNED,
@@ -1070,7 +1072,7 @@ class FusedAdamW:
         )
         grid = triton.cdiv(self.n_tiles, tiles)
         key = None
-        if not interpreting():
+        if not interpreting() and private_api_ok("triton"):  # the launch cache: titan_lowbit/compat.py
             key = (lr_tensor.dtype, lr_tensor.data_ptr() % _SPECIALIZE_ALIGN, self._grad_base.dtype,
                    self._grad_base.data_ptr() % _SPECIALIZE_ALIGN, flags.data_ptr() % _SPECIALIZE_ALIGN,
                    guard is not None, torch.cuda.current_device())

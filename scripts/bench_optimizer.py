@@ -151,7 +151,7 @@ def row_specs(args) -> list[dict]:
             for cls in ("AdamW8bit", "AdamW4bit", "AdamWFp8"):
                 specs.append(dict(label=f"torchao {cls} (compiled)", update="exact", dtype=torch.float32,
                                   build=lambda params, c=cls: getattr(tao, c)(params, lr=1e-4, weight_decay=0.1)))
-            # The second torchao figure: 8-bit states, bf16 weights, stochastic rounding.
+            # torchao with 8-bit states, bf16 weights and stochastic rounding.
             specs.append(dict(label="torchao AdamW8bit (compiled)", update="stochastic", dtype=torch.bfloat16,
                               build=lambda params: tao.AdamW8bit(params, lr=1e-4, weight_decay=0.1,
                                                                  bf16_stochastic_round=True)))

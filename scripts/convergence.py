@@ -30,9 +30,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from titan_lowbit.run_logs import step_losses
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-from runs import step_losses  # noqa: E402
 VAL_LOSS = re.compile(r"validate step:\s*(\d+)\s+loss:\s*(-?[0-9.]+|nan|inf)")
 
 # (label, optimizer name, [lowbit] weight_dtype, [lowbit] weight_update)

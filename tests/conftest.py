@@ -36,9 +36,8 @@ if not torch.cuda.is_available():
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = ROOT / "train_configs" / "llama3_debug.toml"
 
-sys.path.insert(0, str(ROOT / "scripts"))
-from runs import resume_dump, step_losses  # noqa: E402,F401  (tests import step_losses from here)
 from fork_launcher import Launcher, free_port  # noqa: E402
+from titan_lowbit.run_logs import step_losses  # noqa: E402,F401  (tests import step_losses from here)
 
 
 # gloo's teardown (torch 2.13, CPU) now and then aborts one rank at exit with SIGABRT,
@@ -47,7 +46,7 @@ from fork_launcher import Launcher, free_port  # noqa: E402
 # in torch's C++ teardown, not in the work a test checks, so a run that failed only that
 # way, after rank 0 had finished training, is run once more from the same starting files.
 # Anything else (an error, a hang, an abort before training finished, a second abort)
-# fails the test as before.
+# fails the test.
 TRAINING_FINISHED = "Sleeping 2 seconds for other ranks to complete"  # rank 0, after its last step
 _ROOT_CAUSE_SIGABRT = re.compile(r"Root Cause \(first observed failure\):\s*\n.*?exitcode\s*:\s*-6\b",
                                  re.S)
@@ -231,8 +230,13 @@ def two_process_checkpoint(tmp_path_factory, prepared_data):
 
 
 def resume_folder(tmp_path, checkpoint_dir):
-    """A new dump folder whose only checkpoint is ``checkpoint_dir/step-SAVE_STEP``."""
-    return resume_dump(tmp_path / "resumed", checkpoint_dir.parent, SAVE_STEP)
+    """A new dump folder whose only checkpoint is ``checkpoint_dir/step-SAVE_STEP`` (a
+    link), so torchtitan resumes from it and writes its own checkpoints beside it."""
+    dump = tmp_path / "resumed"
+    (dump / "checkpoint").mkdir(parents=True)
+    os.symlink((checkpoint_dir / f"step-{SAVE_STEP}").resolve(),
+               dump / "checkpoint" / f"step-{SAVE_STEP}")
+    return dump
 
 
 @pytest.fixture(scope="session")

@@ -544,7 +544,7 @@ def test_triton_scratch_stays_below_the_shared_memory_tables():
     the gap below them, or it would overwrite them between reads. Compiles every family
     for sm_90 (no GPU needed) with the installed triton and checks."""
     env = dict(os.environ, TRITON_INTERPRET="0")
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "sass_count.py")
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "sass_count.py")
     proc = subprocess.run([sys.executable, script, "--check-scratch"], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -6,7 +6,7 @@ replaces that one function with one that returns the same spec with two builders
 wrapped:
 
 - ``parallelize_fn`` first applies ``[lowbit] weight_dtype`` to the (meta) model, so
-  FSDP2 shards and initializes parameters in that dtype, then parallelizes as before,
+  FSDP2 shards and initializes parameters in that dtype, then runs torchtitan's own,
   gives tensor-parallel BitNet layers their TP group (``enable_tensor_parallel``), and
   remembers which JobConfig the model was built with;
 - ``build_optimizers_fn`` (see :mod:`titan_lowbit.optimizer_builder`) reads that

@@ -11,8 +11,7 @@ from titan_lowbit.bitnet.converter import (
     convert_to_bitnet,
     insert_subln,
 )
-from titan_lowbit.bitnet.linear import BitNetLinear
-from titan_lowbit.bitnet.tensor_parallel import enable_tensor_parallel
+from titan_lowbit.bitnet.linear import BitNetLinear, enable_tensor_parallel
 from titan_lowbit.bitnet.weight import (
     BitNetTernaryWeight,
     BitNetTrainingWeight,

@@ -18,9 +18,9 @@ division that never run, are left out); the body is straight-line, so they track
 Nsight Compute executes. Needs a triton with its NVIDIA backend (any machine with the
 triton wheel; use the GPU's triton version, e.g. with ``PYTHONPATH`` pointing at it):
 
-    python3 scripts/sass_count.py --format 8bit 4bit --dtype bfloat16 --update stochastic
-    python3 scripts/sass_count.py --format 4bit --dump /tmp/k.sass   # the SASS itself
-    python3 scripts/sass_count.py --check-scratch   # Triton's own shared memory vs the tables' gap
+    python3 tools/sass_count.py --format 8bit 4bit --dtype bfloat16 --update stochastic
+    python3 tools/sass_count.py --format 4bit --dump /tmp/k.sass   # the SASS itself
+    python3 tools/sass_count.py --check-scratch   # Triton's own shared memory vs the tables' gap
 """
 
 from __future__ import annotations
