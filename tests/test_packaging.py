@@ -6,6 +6,7 @@ directory on 2 CPU processes with plain torchrun."""
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +82,13 @@ def test_non_editable_install_trains_readme_job_from_an_empty_directory(tmp_path
     module = tomllib.loads(job_text)["experimental"]["custom_import"]
     if not any((ROOT / module.replace(".", "/")).with_suffix(s).exists() for s in (".py", "")):
         pytest.skip(f"README's job file imports {module}, which this tree does not have")
+    try:
+        _install_prepare_and_train(tmp_path, job_text)
+    finally:  # the environment, corpus and outputs: tens of MB, not kept for later runs
+        shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _install_prepare_and_train(tmp_path: Path, job_text: str) -> None:
     top_before = {p.name for p in ROOT.iterdir()}
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)])
