@@ -535,7 +535,7 @@ def allgather_bytes(flavor: str, filter_fqns=("output",)) -> dict:
     reshard_after_forward=True, so a step gathers them twice (forward, and again for the
     backward); [norm, output] is one unit with reshard_after_forward=False, gathered once.
     """
-    import titan_lowbit  # noqa: F401  (registers the 1B flavor)
+    import titan_lowbit.torchtitan  # noqa: F401  (registers the 1B flavor)
     from torchtitan.models.llama3 import llama3_args
     from torchtitan.models.llama3.model.model import Transformer
 
@@ -577,7 +577,7 @@ def _gloo_worker(rank, port, flavor, converted, out_path):
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    import titan_lowbit  # noqa: F401
+    import titan_lowbit.torchtitan  # noqa: F401
     from torchtitan.models.llama3 import llama3_args
     from torchtitan.models.llama3.model.model import Transformer
 

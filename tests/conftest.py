@@ -12,13 +12,23 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
-import pytest
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+# Everything the session writes to the system temp folder (pytest's tmp_path folders,
+# Inductor's cache, torchrun's logs, the fork launcher's rank logs, in this process and in
+# every process it starts) goes into one folder, removed when the session passes
+# (pytest_sessionfinish below). Set before torch is imported: Inductor fixes its cache
+# folder from the temp folder when it loads.
+SESSION_TMP = Path(tempfile.mkdtemp(prefix="titan_lowbit_tests_"))
+os.environ["TMPDIR"] = str(SESSION_TMP)
+tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -110,6 +120,22 @@ def fork_launcher(env: dict[str, str]) -> Launcher | None:
         _launcher = Launcher(cpu_run_env(), ROOT)
         atexit.register(_launcher.close)
     return _launcher if _launcher.can_run(env) else None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the fork server, then remove the session's temp folder (SESSION_TMP) unless a
+    test failed: then it stays, for a look at the failed tests' files, and the summary
+    says where."""
+    if _launcher is not None:
+        _launcher.close()
+    if exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        shutil.rmtree(SESSION_TMP, ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus):
+    if SESSION_TMP.exists():
+        terminalreporter.write_line(f"this session's temporary files are kept in {SESSION_TMP} "
+                                    "(a test failed); delete the folder when done")
 
 
 def torchrun(target: list[str], nproc: int, env: dict[str, str], timeout: int,

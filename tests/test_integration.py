@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-import titan_lowbit  # noqa: F401  (registers everything, as custom_import does)
+import titan_lowbit.torchtitan  # noqa: F401  (registers everything, as custom_import does)
 from conftest import PREPARE_DATA, ROOT, DEBUG_CONFIG, run_train, step_losses
 from torchtitan.config import ConfigManager
 
@@ -32,7 +32,20 @@ def test_lowbit_section_defaults_and_overrides():
     assert cfg.lowbit.block_size == 64
     assert cfg.lowbit.weight_dtype == "auto"
     assert cfg.lowbit.bitnet_filter == ["output"]
-    assert cfg.experimental.custom_import == "titan_lowbit"
+    assert cfg.experimental.custom_import == "titan_lowbit.torchtitan"
+
+
+@pytest.mark.parametrize("where", ["toml", "command line"])
+def test_old_custom_import_names_the_key_and_the_module(tmp_path, where):
+    toml = '[job]\ncustom_config_module = "titan_lowbit.config"\n'
+    args = ("--experimental.custom_import", "titan_lowbit")
+    if where == "toml":
+        toml, args = toml + '[experimental]\ncustom_import = "titan_lowbit"\n', ()
+    with pytest.raises(ValueError) as err:
+        parse(*args, toml=toml, tmp_path=tmp_path)
+    msg = str(err.value)
+    assert '[experimental] custom_import = "titan_lowbit"' in msg
+    assert 'custom_import = "titan_lowbit.torchtitan"' in msg
 
 
 def test_unknown_lowbit_key_names_key_and_valid_keys(tmp_path):

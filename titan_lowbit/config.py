@@ -157,7 +157,40 @@ def _install_key_check() -> None:
     ConfigManager._dict_to_dataclass = _dict_to_dataclass
 
 
+INTEGRATION_MODULE = "titan_lowbit.torchtitan"
+
+
+def check_custom_import(job_config) -> None:
+    """``custom_import = "titan_lowbit"`` imports a package that registers nothing (the
+    integration is the module INTEGRATION_MODULE): stop with the key and its value."""
+    if job_config.experimental.custom_import == "titan_lowbit":
+        raise ValueError(
+            '[experimental] custom_import = "titan_lowbit" registers nothing: the torchtitan '
+            f'integration is the module "{INTEGRATION_MODULE}"; write [experimental] '
+            f'custom_import = "{INTEGRATION_MODULE}" (or --experimental.custom_import '
+            f"{INTEGRATION_MODULE})."
+        )
+
+
+def _install_custom_import_check() -> None:
+    """Run check_custom_import on every JobConfig torchtitan parses (TOML and command
+    line), before its Trainer imports ``custom_import``."""
+    from torchtitan.config.manager import ConfigManager
+
+    original = ConfigManager._validate_config
+    if getattr(original, "titan_lowbit_checked", False):
+        return
+
+    def _validate_config(self):
+        check_custom_import(self.config)
+        return original(self)
+
+    _validate_config.titan_lowbit_checked = True
+    ConfigManager._validate_config = _validate_config
+
+
 _install_key_check()
+_install_custom_import_check()
 
 
 @dataclass

@@ -17,7 +17,7 @@ class ConverterRegistry(dict):
         raise ValueError(
             f"[model] converters names unknown converter {name!r}; registered converters "
             f"are {sorted(self)}. Check the spelling, and that [experimental] "
-            'custom_import = "titan_lowbit" is set for titan_lowbit\'s converters.'
+            'custom_import = "titan_lowbit.torchtitan" is set for titan_lowbit\'s converters.'
         )
 
 

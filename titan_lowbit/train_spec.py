@@ -41,7 +41,7 @@ def job_config_of(model_parts: list[nn.Module]):
     raise RuntimeError(
         "titan_lowbit's optimizer builder got model parts that were not parallelized "
         "through titan_lowbit's wrapped train spec; build the model with "
-        "torchtitan.protocols.train_spec.get_train_spec() after `import titan_lowbit`."
+        "torchtitan.protocols.train_spec.get_train_spec() after `import titan_lowbit.torchtitan`."
     )
 
 

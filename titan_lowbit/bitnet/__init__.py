@@ -1,7 +1,7 @@
 """BitNet b1.58 training: weight subclass, converter, FSDP2 hooks, tensor parallelism.
 
 ``CONVERTERS`` maps the registered converter names ("bitnet", "bitnet_subln") to their
-classes; titan_lowbit/__init__.py registers them with torchtitan.
+classes; titan_lowbit.torchtitan registers them with torchtitan.
 """
 
 from titan_lowbit.bitnet.converter import (

@@ -24,6 +24,8 @@ Write ``converters = ["bitnet_subln", "bitnet"]`` (either order gives the same m
 
 from __future__ import annotations
 
+import sys
+
 import torch.nn as nn
 
 from titan_lowbit.bitnet import row_reductions
@@ -213,10 +215,14 @@ class RemovedBlockNorm(nn.Identity):
 
 
 def insert_subln(model: nn.Module) -> list[str]:
-    """SubLN surgery on every llama3 TransformerBlock; returns the normalized linears' FQNs."""
-    from torchtitan.models.llama3.model.model import TransformerBlock
+    """SubLN surgery on every llama3 TransformerBlock; returns the normalized linears' FQNs.
 
-    blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, TransformerBlock)]
+    Imports nothing of torchtitan: a model holding torchtitan's blocks has loaded their
+    module, and a model without it has none to rewrite."""
+    llama3 = sys.modules.get("torchtitan.models.llama3.model.model")
+    block_cls = getattr(llama3, "TransformerBlock", None)
+    blocks = [(n, m) for n, m in model.named_modules()
+              if block_cls is not None and isinstance(m, block_cls)]
     if not blocks:
         raise ValueError(
             f"converter 'bitnet_subln' rewrites torchtitan llama3 TransformerBlocks, and "
