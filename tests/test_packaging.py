@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 try:
     import tomllib
 except ImportError:  # Python 3.10
