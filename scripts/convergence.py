@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [(lr, seed, v) for lr in lrs for seed in seeds for v in variants]
     # The offline dataset once, before the runs: train.sh prepares it when missing, and
     # several runs starting at once would each write it.
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--if-missing"],
+    subprocess.run([sys.executable, "-m", "titan_lowbit.prepare_data", "--if-missing"],
                    cwd=ROOT, check=True)
     results = {}
     args.out.mkdir(parents=True, exist_ok=True)

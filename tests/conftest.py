@@ -35,6 +35,11 @@ if not torch.cuda.is_available():
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = ROOT / "train_configs" / "llama3_debug.toml"
+# The tests' corpus lives in the clone (assets/ is git-ignored), not in the user's cache,
+# for this process and every run it starts.
+DATA = ROOT / "assets" / "lowbit_text"
+os.environ["TITAN_LOWBIT_DATA"] = str(DATA)
+PREPARE_DATA = [sys.executable, "-m", "titan_lowbit.prepare_data"]
 
 from fork_launcher import Launcher, free_port  # noqa: E402
 from titan_lowbit.run_logs import step_losses  # noqa: E402,F401  (tests import step_losses from here)
@@ -185,8 +190,8 @@ def run_train(*overrides: str, config: Path = DEBUG_CONFIG, nproc: int = 2, time
     forked = fork_launcher(env) if launcher == "any" else None
     if forked is not None:
         # what train.sh does before it starts torchrun
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"),
-                        "--if-missing"], cwd=ROOT, check=True, capture_output=True)
+        subprocess.run([*PREPARE_DATA, "--if-missing"], cwd=ROOT, check=True,
+                       capture_output=True)
         target = ["-m", "torchtitan.train", "--job.config_file", str(config),
                   "--metrics.disable_color_printing", *overrides]
         what = f"(forked) {' '.join(target)}"
@@ -242,9 +247,8 @@ def resume_folder(tmp_path, checkpoint_dir):
 @pytest.fixture(scope="session")
 def prepared_data() -> Path:
     """The offline corpus, prepared once (train.sh would do the same on first use)."""
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--if-missing"],
-                   cwd=ROOT, check=True)
-    return ROOT / "assets" / "lowbit_text"
+    subprocess.run([*PREPARE_DATA, "--if-missing"], cwd=ROOT, check=True)
+    return DATA
 
 
 def _gloo_worker(rank: int, world: int, port: int, scenarios, out_path: str) -> None:
