@@ -28,9 +28,12 @@ Math, per element, all in fp32 (llm.c style; names as in the code)::
               bf16, KAHAN:         s = (p_new - p) + c;  p' = bf16_rne(p + s);  c = bf16_rne(s - (p' - p))
               bf16, MASTER_REMAINDER: MASTER's fp32 master w (below), held as the bf16 weight p and an
                                    int16 remainder r: w = bits(p) << 16 + r (r sign-extended, mod 2**32);
-                                   r = low 16 bits of w, p = (bits(w) + 0x8000) >> 16 (nearest, ties
-                                   away from zero: see _master_split; a NaN w gives a quiet NaN p)
-              bf16, MASTER:        the math above runs on the fp32 master w; w = p_new; p = bf16_rne(w)
+                                   r = low 16 bits of w, p = bf16_away(w)
+              bf16, MASTER:        the math above runs on the fp32 master w; w = p_new; p = bf16_away(w)
+                                   bf16_away(w) = (bits(w) + 0x8000) >> 16: nearest, ties away from zero
+                                   (a NaN w gives a quiet NaN p), the rounding a 16-bit remainder can
+                                   pair with exactly (_master_split); both modes use it, so they give
+                                   the same weights, masters and states
     guard:    (NonfiniteGuard) a block whose new m is not finite (its gradient holds an
               inf/nan) is not written at all (weight, moments, their absmax, extra state keep
               their values) and flags[tensor] = tag
@@ -264,20 +267,29 @@ def _bf16_stochastic(x, gidx, key, IDX32: tl.constexpr):
 
 
 @triton.jit
-def _master_split(x):
-    """fp32 master weight -> (bf16 weight, int16 remainder), exact: the remainder is x's low
-    16 bits, the weight its high half rounded to nearest by those bits, ties away from zero
-    (``(bits + 0x8000) >> 16``; the rounding up when the remainder is negative as an int16).
-    Round to nearest even cannot be used: at a tie with an even high half it rounds down,
-    with an odd one up, so an even bf16 value is the rounding of 2**16 + 1 fp32 values,
-    more than 16 bits can tell apart. Finite values and infinities round trip bit for bit
-    (a finite value past bf16's largest gives inf, rebuilt exactly); a NaN gives bf16's
-    quiet NaN of its high half, as ``_bf16_rne`` does, and rebuilds as a NaN. Integer
+def _bf16_away(x):
+    """fp32 -> bf16 round to nearest, ties away from zero: ``(bits + 0x8000) >> 16``; a NaN
+    gives bf16's quiet NaN of its high half, as ``_bf16_rne`` does. The bf16 weight of both
+    fp32-master updates (MASTER, MASTER_REMAINDER): the rounding a 16-bit remainder can pair
+    with exactly (``_master_split``), shared so that the two give the same weights. Integer
     arithmetic, so GPU and interpreter give the same bits."""
     bits = x.to(tl.uint32, bitcast=True)
     hi = tl.where(x == x, (bits + 0x8000) >> 16, (bits >> 16) | 0x40)
-    rem = (bits & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True)
-    return hi.to(tl.uint16).to(tl.bfloat16, bitcast=True), rem
+    return hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _master_split(x):
+    """fp32 master weight -> (bf16 weight, int16 remainder), exact: the remainder is x's low
+    16 bits, the weight ``_bf16_away(x)``, its high half rounded to nearest by those bits,
+    ties away from zero (the rounding up when the remainder is negative as an int16).
+    Round to nearest even cannot be used: at a tie with an even high half it rounds down,
+    with an odd one up, so an even bf16 value is the rounding of 2**16 + 1 fp32 values,
+    more than 16 bits can tell apart. Finite values and infinities round trip bit for bit
+    (a finite value past bf16's largest gives inf, rebuilt exactly); a NaN gives a quiet
+    NaN weight and rebuilds as a NaN."""
+    rem = (x.to(tl.uint32, bitcast=True) & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True)
+    return _bf16_away(x), rem
 
 
 @triton.jit
@@ -720,7 +732,7 @@ def _step_tile(tiles_ptr, t, meta_ptr, grad_offsets_ptr, tab_m, tab_v, etab_m, e
         _st(pptr, p_b, emask, ST_EVEN)
     else:  # MASTER
         _st(xptr, p_new, emask, ST_EVEN)
-        _st(pptr, _bf16_rne(p_new, HW_CAST), emask, ST_EVEN)
+        _st(pptr, _bf16_away(p_new), emask, ST_EVEN)
 
 
 # skey changes at every step: without do_not_specialize, Triton compiles a second variant

@@ -89,15 +89,22 @@ def _as_int(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (bits - ((bits >> (width - 1)) << width)).to(dtype)
 
 
-def master_split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 master weights -> (bf16 weights, int16 remainders), bit exact (twin of
-    ``_master_split``): the remainder is x's low 16 bits, the weight x's high half rounded
-    to nearest by them, ties away from zero, ``(bits + 0x8000) >> 16``; a NaN gives bf16's
-    quiet NaN of its high half. ``master_rebuild(*master_split(x))`` is x bit for bit for
-    every non-NaN fp32 value (a NaN stays a NaN)."""
+def bf16_away(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16, round to nearest with ties away from zero (twin of ``_bf16_away``):
+    ``(bits + 0x8000) >> 16``, a NaN gives bf16's quiet NaN of its high half. The bf16
+    weight of both fp32-master updates ("master", "master_remainder")."""
     bits = _f32_bits(x).to(torch.int64) & MASK32
     hi = torch.where(torch.isnan(x), (bits >> 16) | 0x40, (bits + 0x8000) >> 16) & 0xFFFF
-    return _as_int(hi, torch.int16).view(torch.bfloat16), _as_int(bits & 0xFFFF, torch.int16)
+    return _as_int(hi, torch.int16).view(torch.bfloat16)
+
+
+def master_split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 master weights -> (bf16 weights, int16 remainders), bit exact (twin of
+    ``_master_split``): the remainder is x's low 16 bits, the weight ``bf16_away(x)``, x's
+    high half rounded to nearest by them, ties away from zero.
+    ``master_rebuild(*master_split(x))`` is x bit for bit for every non-NaN fp32 value (a
+    NaN stays a NaN)."""
+    return bf16_away(x), _as_int(_f32_bits(x).to(torch.int64) & 0xFFFF, torch.int16)
 
 
 def master_rebuild(w: torch.Tensor, rem: torch.Tensor) -> torch.Tensor:
@@ -357,5 +364,5 @@ def adamw_step_reference(cfg: AdamWConfig, tensors: Sequence[AdamWTensor], grads
             _write(t.extra, rem, keep_elems)
         else:
             _write(t.extra, p_new, keep_elems)
-            out = bf16_rne(p_new)
+            out = bf16_away(p_new)
         _write(t.param, out, keep_elems)

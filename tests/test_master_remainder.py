@@ -5,15 +5,16 @@ weight and an int16 remainder (2 bytes per element instead of 4).
   rounded to nearest by them with ties away from zero. Every non-NaN fp32 value round
   trips bit for bit (checked over all 2**16 remainders of a spread of bf16 values and
   every special one), the kernel's integer twins give the reference's bits, and the
-  weight is "master"'s round-to-nearest-even weight everywhere but at exact ties (no
-  16 bits can hold the master next to a round-to-nearest-even weight: an even bf16 value
-  is the rounding of 2**16 + 1 fp32 values).
+  weight is a plain round-to-nearest-even cast everywhere but at exact ties (no 16 bits
+  can hold the master next to a round-to-nearest-even weight: an even bf16 value is the
+  rounding of 2**16 + 1 fp32 values). "master" rounds its weight the same way (ties away
+  from zero, reference and kernel).
 * Training: for every state format, on plain tensors (reference and interpreted kernel)
   and on DTensor shards (FSDP2's Shard(0), TP's Shard(1), two gloo processes), the
-  rebuilt masters and all states equal "master"'s bit for bit, and so do the weights off
-  ties; sharded training equals unsharded; a resume through torch.save or DCP continues
-  bit for bit; a "master" checkpoint is refused by a "master_remainder" run and back,
-  naming the setting.
+  weights, the rebuilt masters and all states equal "master"'s bit for bit, ties
+  included; sharded training equals unsharded; a resume through torch.save or DCP
+  continues bit for bit; a "master" checkpoint is refused by a "master_remainder" run
+  and back, naming the setting.
 """
 
 import io
@@ -149,6 +150,45 @@ def test_fused_kernel_matches_reference(fmt):
         TK._run(fmt, torch.bfloat16, K.UPDATE_MASTER_REMAINDER, seed=5, guard=True)
 
 
+# high halves of exact ties: zero, a subnormal, even and odd normal ones, bf16's largest (odd:
+# its tie rounds to inf), each with both signs
+TIE_HIGH = [0x0000, 0x0001, 0x3F80, 0x3F81, 0x4130, 0x7F7E, 0x7F7F]
+
+
+@pytest.mark.parametrize("update", ["master", "master_remainder"])
+@pytest.mark.parametrize("fused", [False, True], ids=["reference", "kernel"])
+def test_the_weight_of_a_master_at_an_exact_tie_rounds_away_from_zero(update, fused):
+    """Both fp32-master updates write the bf16 weight of a master exactly halfway between
+    two bf16 values away from zero (a plain cast rounds to even, down for an even high
+    half); a NaN master gives a NaN weight. Zero gradients and no weight decay: the step
+    keeps the masters as they are and writes their weights."""
+    dev = "cuda" if fused and torch.cuda.is_available() else "cpu"
+    if fused and dev == "cpu" and not K.interpreting():
+        pytest.skip("kernels were imported before TRITON_INTERPRET=1")
+    hi = torch.tensor(TIE_HIGH + [h | 0x8000 for h in TIE_HIGH], dtype=torch.int64)
+    masters = R._as_int((hi << 16) | TIE, torch.int32).view(torch.float32)
+    masters = torch.cat([masters, torch.tensor([float("nan")])]).to(dev)
+    w = nn.Parameter(torch.zeros(masters.shape, dtype=torch.bfloat16, device=dev))
+    opt = LowBitAdamW([w], lr=1e-2, weight_decay=0.0, state_format="fp32", weight_update=update)
+    if fused:
+        opt._use_fused = lambda t: True
+    w.grad = torch.zeros_like(w)
+    opt.step()  # the state, its masters taken from the weights
+    with torch.no_grad():
+        if update == "master":
+            opt.state[w]["master"].copy_(masters)
+            w.fill_(1.0)  # only written
+        else:
+            wb, rem = R.master_split(masters.cpu())
+            w.copy_(wb)
+            opt.state[w]["master_remainder"].copy_(rem)
+    opt.step()
+    got = _bits16(w.detach().cpu()).to(torch.int64) & 0xFFFF
+    assert torch.equal(got[:-1], hi + 1), [hex(v) for v in got.tolist()]  # one step up in magnitude
+    assert torch.isnan(w[-1].float())
+    assert not torch.equal(got[:-1], _bits16(R.bf16_rne(masters[:-1].cpu())).to(torch.int64) & 0xFFFF)
+
+
 # ----------------------------------------------------------------------------------------
 # the optimizer: master_remainder against master
 # ----------------------------------------------------------------------------------------
@@ -178,8 +218,8 @@ def _state_bits(v):
 
 
 def assert_same_as_master(opt_m, opt_r, params_m, params_r):
-    """States equal bit for bit, the rebuilt masters equal the masters, the weights equal
-    off ties and are the tie-away rounding of the master everywhere."""
+    """States, rebuilt masters and weights equal bit for bit; the weights are the masters
+    rounded to nearest, ties away from zero."""
     for pm, pr in zip(params_m, params_r):
         sm, sr = opt_m.state[pm], opt_r.state[pr]
         assert set(sm) - {"master"} == set(sr) - {"master_remainder"}
@@ -189,9 +229,8 @@ def assert_same_as_master(opt_m, opt_r, params_m, params_r):
         assert float(sm["step"]) == float(sr["step"])
         master, wm, wr = _full(sm["master"]), _full(pm), _full(pr)
         assert torch.equal(_bits32(R.master_rebuild(wr, _full(sr["master_remainder"]))), _bits32(master))
-        assert torch.equal(_bits16(wr), _bits16(R.master_split(master)[0]))
-        off_tie = (_bits32(master) & MASTER_LOW) != TIE
-        assert torch.equal(_bits16(wm)[off_tie], _bits16(wr)[off_tie])
+        assert torch.equal(_bits16(wr), _bits16(R.bf16_away(master)))
+        assert torch.equal(_bits16(wm), _bits16(wr))
 
 
 def _params(seed=0, shapes=SHAPES):
@@ -200,8 +239,9 @@ def _params(seed=0, shapes=SHAPES):
 
 
 def _set_masters_with_ties(opt_m, opt_r, params_m, params_r, gen):
-    """Give both optimizers the same fp32 masters, a tenth of them exact ties, as "master"
-    holds them (bf16 weight = round to nearest even) and as "master_remainder" does."""
+    """Give both optimizers the same fp32 masters, a tenth of them exact ties, "master" with
+    the weights of a plain cast (round to nearest even: the step must rewrite those of the
+    ties with an even high half) and "master_remainder" as it holds them."""
     for pm, pr in zip(params_m, params_r):
         bits = _bits32(opt_m.state[pm]["master"]).clone()
         tie = torch.rand(bits.shape, generator=gen) < 0.1
@@ -218,7 +258,8 @@ def _set_masters_with_ties(opt_m, opt_r, params_m, params_r, gen):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_training_equals_master_bit_for_bit(fmt, fused):
     """The same gradients into both optimizers; after the first step the masters are set
-    to values with exact ties (where the weights differ), then three more steps."""
+    to values with exact ties, the second step (lr 0) keeps them and writes their weights,
+    then more steps: weights, masters and states equal bit for bit, ties included."""
     if fused and not K.interpreting():  # the parameters are CPU tensors
         pytest.skip("the kernel runs on CPU tensors under TRITON_INTERPRET=1 only")
     # the interpreted kernel: one quantized (or plain) and one small tensor, a ragged launch each
@@ -233,11 +274,16 @@ def test_training_equals_master_bit_for_bit(fmt, fused):
         for a, b in zip(pm, pr):
             a.grad = torch.randn(a.shape, generator=gen).to(torch.bfloat16)
             b.grad = a.grad.clone()
-        opt_m.step()
-        opt_r.step()
-        if step == 0:  # the ties with an even high half: the two modes' weights differ there
+        for opt in (opt_m, opt_r):
+            opt.param_groups[0]["lr"] = 0.0 if step == 1 else KW["lr"]
+            opt.step()
+        if step == 0:  # the ties with an even high half: a plain cast's weights differ there
             _set_masters_with_ties(opt_m, opt_r, pm, pr, gen)
             assert not all(torch.equal(_bits16(a.detach()), _bits16(b.detach())) for a, b in zip(pm, pr))
+            continue
+        if step == 1:  # lr 0: the masters are still the ties, the weights written from them
+            even_ties = [(_bits32(opt_m.state[a]["master"]) & 0x1FFFF) == TIE for a in pm]
+            assert sum(int(t.sum()) for t in even_ties) > 10
         assert_same_as_master(opt_m, opt_r, pm, pr)
 
 

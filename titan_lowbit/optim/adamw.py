@@ -161,8 +161,9 @@ class LowBitAdamW(torch.optim.Optimizer):
             "stochastic", "kahan" (bf16 compensation state), "master" (fp32 master weights
             as state) or "master_remainder" (the same fp32 master weights, bit for bit, held
             as the bf16 weight and an int16 remainder state: 2 bytes per element instead of
-            4; the weight is the master rounded to nearest with ties away from zero, where
-            "master" rounds ties to even). fp32 parameters are always updated exactly.
+            4). With both, the weight is the master rounded to nearest with ties away from
+            zero, the rounding a remainder can pair with exactly, so the two train bit for
+            bit alike. fp32 parameters are always updated exactly.
         block_size: quantization block along the last dimension (power of two); 0 = the
             format's default.
         min_quantized_numel: parameters with fewer elements keep fp32 states.
