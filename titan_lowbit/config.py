@@ -55,7 +55,9 @@ class LowBit:
     master_remainder (the same fp32 master weights, bit for bit, kept as the bf16 weight
     plus a 16-bit remainder in the optimizer state: 2 bytes per parameter instead of 4).
     fp32 parameters are updated exactly: a value other than nearest with every parameter
-    in fp32 is refused at start-up (set weight_dtype = "bfloat16")."""
+    in fp32 is refused at start-up (set weight_dtype = "bfloat16"); stochastic is refused
+    with [optimizer] early_step_in_backward (one optimizer per parameter: every parameter
+    would draw the same rounding noise)."""
 
     block_size: int = _OPTIMIZER_DEFAULTS["block_size"]
     """Quantization block length along the last dimension; 0 = the format's default
@@ -71,6 +73,8 @@ class LowBit:
     before each step (one more read of them and a host sync) and skips the whole step,
     counting it in the logs."""
 
+    # Every bitnet_* key configures converter "bitnet": set to a value other than its
+    # default without that converter, it is refused at start-up (check_bitnet_keys).
     bitnet_filter: list[str] = field(default_factory=lambda: list(BITNET_DEFAULTS["bitnet_filter"]))
     """Fully-qualified-name fragments of nn.Linear layers that converter "bitnet" leaves
     in high precision (default: the output head). Embeddings are never converted."""
@@ -86,7 +90,8 @@ class LowBit:
     forward: fewer kernel launches per forward, 2 bytes per weight element kept between
     steps. Same formula; the scale's sum |W| is added in another order. Faster where the
     step waits on the host, slower where it does not (measured in docs/bitnet.md, "Kept
-    ternary codes"), hence off by default."""
+    ternary codes"), hence off by default. Refused at start-up when FSDP2 or TP shards the
+    weights, where it would have no effect."""
 
     bitnet_int8_backward: bool = BITNET_DEFAULTS["bitnet_int8_backward"]
     """Compute BitNet grad_input on int8 tensor cores (grad_output quantized row-wise);
@@ -97,7 +102,8 @@ class LowBit:
     for the row quantizations it fuses, on rows up to 8192 elements whose inputs fit
     (titan_lowbit/bitnet/row_reductions.py); False keeps Inductor's default (rows over
     1024 elements are read twice). Same math; as with any change of Inductor's fusion, an
-    intermediate may be rounded at a different point."""
+    intermediate may be rounded at a different point. False without compile changes nothing
+    (one log line says so)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.bitnet_filter, str):
@@ -134,6 +140,57 @@ def lowbit_of(job_config) -> LowBit:
     """The ``[lowbit]`` section of a JobConfig; its defaults when the job did not add the
     section (no ``custom_config_module``)."""
     return getattr(job_config, "lowbit", None) or LowBit()
+
+
+def _bitnet_keys_set(lowbit: LowBit) -> list[str]:
+    """The ``[lowbit] bitnet_*`` keys whose value differs from the converter's default."""
+    return [k for k, default in BITNET_DEFAULTS.items()
+            if (list(getattr(lowbit, k)) != list(default) if isinstance(default, tuple)
+                else getattr(lowbit, k) != default)]
+
+
+def check_bitnet_keys(job_config, parallel_dims) -> list[str]:
+    """Refuse the ``[lowbit] bitnet_*`` settings this job would ignore, before the model
+    is parallelized; returns the notes to log for the settings that change nothing here.
+
+    A key that asks for something the job would not do (a BitNet option without the
+    ``bitnet`` converter, kept codes for weights that are all sharded) is an error naming
+    the key. A default-on feature turned off where it would not have acted anyway
+    (``bitnet_persistent_rows = false`` without compile, ``bitnet_precompute_scale =
+    false`` with no sharded weight) gets what it asked for: a note, not an error, so one
+    file serves runs with and without compile or sharding."""
+    lowbit = lowbit_of(job_config)
+    converters = list(job_config.model.converters or [])
+    if "bitnet" not in converters:
+        if keys := _bitnet_keys_set(lowbit):
+            raise ValueError(
+                f"[lowbit] {', '.join(keys)} set, but [model] converters = {converters} has no "
+                f"'bitnet': {'these keys configure' if len(keys) > 1 else 'this key configures'} "
+                'the BitNet converter only. Add "bitnet" to [model] converters, or remove '
+                f"{'them' if len(keys) > 1 else 'it'}."
+            )
+        return []
+    sharded_by = [f"[parallelism] {key} = {degree}" for key, degree in (
+        ("data_parallel_shard_degree", parallel_dims.dp_shard),
+        ("context_parallel_degree", parallel_dims.cp),  # FSDP2 shards over the CP ranks too
+        ("tensor_parallel_degree", parallel_dims.tp)) if degree > 1]
+    if lowbit.bitnet_keep_codes and sharded_by:
+        raise ValueError(
+            f"[lowbit] bitnet_keep_codes = true keeps the ternary codes of unsharded BitNet "
+            f"weights, but with {', '.join(sharded_by)} every BitNet weight is sharded (their "
+            "codes come with the all-gather or from the local shard): it would have no effect. "
+            "Remove bitnet_keep_codes (or set it to false): it acts on unsharded weights, as "
+            "on one device."
+        )
+    notes = []
+    if not lowbit.bitnet_persistent_rows and not job_config.compile.enable:
+        notes.append("titan_lowbit: [lowbit] bitnet_persistent_rows = false changes nothing "
+                     "without [compile] enable = true (Inductor's defaults are kept either way)")
+    if not lowbit.bitnet_precompute_scale and not sharded_by:
+        notes.append("titan_lowbit: [lowbit] bitnet_precompute_scale = false changes nothing "
+                     "here: every BitNet weight is unsharded, and unsharded weights need no "
+                     "precomputed scale")
+    return notes
 
 
 def unknown_keys(cls, data: dict, section: str = "") -> list[str]:

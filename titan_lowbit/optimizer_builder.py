@@ -108,6 +108,16 @@ def check_combination(name: str, lowbit: LowBit, early_step_in_backward: bool,
             "early_step_in_backward each parameter steps on its own as its gradient arrives: the "
             "others would still step. Use nonfinite_grad = 'raise', or turn early_step_in_backward off."
         )
+    if early_step_in_backward and lowbit.weight_update == "stochastic":
+        # OptimizersInBackwardContainer builds one optimizer per parameter, and the
+        # rounding key is the seed and the parameter's position in its optimizer.
+        raise ValueError(
+            "[lowbit] weight_update = 'stochastic' keys each parameter's rounding noise by its "
+            "position in the optimizer, but [optimizer] early_step_in_backward gives every "
+            "parameter an optimizer of its own: all parameters would round with the same random "
+            "numbers. Use weight_update = 'kahan', 'master' or 'master_remainder', or turn "
+            "early_step_in_backward off."
+        )
 
 
 def build_lowbit_optimizers(

@@ -5,7 +5,8 @@ asks ``torchtitan.protocols.train_spec.get_train_spec(name)`` for the spec; tita
 replaces that one function with one that returns the same spec with three builders
 wrapped:
 
-- ``parallelize_fn`` first applies ``[lowbit] weight_dtype`` to the (meta) model, so
+- ``parallelize_fn`` first refuses ``[lowbit] bitnet_*`` settings the job would ignore
+  (``config.check_bitnet_keys``), applies ``[lowbit] weight_dtype`` to the (meta) model, so
   FSDP2 shards and initializes parameters in that dtype, then runs torchtitan's own,
   gives tensor-parallel BitNet layers their TP group (``enable_tensor_parallel``), and
   remembers which JobConfig the model was built with;
@@ -24,14 +25,16 @@ import weakref
 import torch
 import torch.nn as nn
 import torchtitan.protocols.train_spec as train_spec_module
+from torchtitan.tools.logging import logger
 
 from titan_lowbit import cpu_device, datasets
 from titan_lowbit.bitnet import enable_tensor_parallel
-from titan_lowbit.config import lowbit_of
+from titan_lowbit.config import check_bitnet_keys, lowbit_of
 from titan_lowbit.optimizer_builder import wrap_build_optimizers
 
 _JOB_CONFIGS: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
 _original_get_train_spec = train_spec_module.get_train_spec
+_logged_notes: set[str] = set()  # once per process, not once per pipeline stage
 
 
 def job_config_of(model_parts: list[nn.Module]):
@@ -74,6 +77,10 @@ def apply_weight_dtype(model: nn.Module, job_config) -> None:
 def wrap_parallelize(parallelize_fn):
     @functools.wraps(parallelize_fn)
     def parallelize(model, parallel_dims, job_config, *args, **kwargs):
+        for note in check_bitnet_keys(job_config, parallel_dims):
+            if note not in _logged_notes:
+                _logged_notes.add(note)
+                logger.info(note)
         apply_weight_dtype(model, job_config)
         model = parallelize_fn(model, parallel_dims, job_config, *args, **kwargs)
         if parallel_dims.tp_enabled:

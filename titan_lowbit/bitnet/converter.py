@@ -272,6 +272,16 @@ class BitNetSubLNConverter:
                 "converter 'bitnet_subln' does not support tensor parallelism (torchtitan's "
                 "TP plan names the block norms it removes); set tensor_parallel_degree = 1."
             )
+        checkpoint = getattr(job_config, "checkpoint", None)
+        if getattr(checkpoint, "enable", False) and getattr(checkpoint, "last_save_in_hf", False):
+            # torchtitan's llama3 state-dict adapter maps every layer key to a Hugging Face
+            # name and fails on one it does not know, at the end of training.
+            raise NotImplementedError(
+                "converter 'bitnet_subln' adds per-linear input norms that have no Hugging Face "
+                "llama name (and removes the block norms that have one): [checkpoint] "
+                "last_save_in_hf = true would fail at the last save. Set last_save_in_hf = false "
+                "(the DCP checkpoint keeps everything)."
+            )
 
     def convert(self, model: nn.Module) -> None:
         insert_subln(model)

@@ -1,0 +1,166 @@
+"""Each "no" of docs/compatibility.md and each setting that would do nothing stops the job
+at start-up, naming the key and the fix: the check functions called on parsed configs,
+without a Trainer."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import titan_lowbit.torchtitan  # noqa: F401  (registers everything, as custom_import does)
+from torchtitan.config import ConfigManager
+from torchtitan.distributed.parallel_dims import ParallelDims
+
+from titan_lowbit.config import check_bitnet_keys
+
+HEADER = '[job]\ncustom_config_module = "titan_lowbit.config"\n'
+
+
+def job(tmp_path, converters=(), lowbit: str = "", compile_on: bool = False):
+    path = tmp_path / "job.toml"
+    path.write_text(HEADER + f"[model]\nconverters = {list(converters)!r}\n"
+                    f"[compile]\nenable = {str(compile_on).lower()}\n[lowbit]\n{lowbit}\n")
+    return ConfigManager().parse_args(["--job.config_file", str(path)])
+
+
+def dims(dp_shard=1, tp=1, cp=1, dp_replicate=1):
+    return ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=1, ep=1,
+                        etp=1, world_size=dp_replicate * dp_shard * cp * tp)
+
+
+# ---- [lowbit] bitnet_* keys -----------------------------------------------------------
+
+@pytest.mark.parametrize("converters", [[], ["bitnet_subln"]])
+@pytest.mark.parametrize("setting", [
+    'bitnet_filter = ["output", "w2"]', "bitnet_precompute_scale = false",
+    "bitnet_keep_codes = true", "bitnet_int8_backward = false", "bitnet_persistent_rows = false"])
+def test_bitnet_key_without_the_bitnet_converter_is_refused(tmp_path, converters, setting):
+    key = setting.split(" =")[0]
+    cfg = job(tmp_path, converters, setting)
+    with pytest.raises(ValueError) as err:
+        check_bitnet_keys(cfg, dims())
+    msg = str(err.value)
+    assert f"[lowbit] {key} set" in msg and f"[model] converters = {converters}" in msg
+    assert 'Add "bitnet" to [model] converters, or remove it' in msg
+
+
+def test_bitnet_keys_name_every_key_set_and_defaults_pass(tmp_path):
+    cfg = job(tmp_path, [], "bitnet_keep_codes = true\nbitnet_int8_backward = false")
+    with pytest.raises(ValueError, match=r"\[lowbit\] bitnet_keep_codes, bitnet_int8_backward set"):
+        check_bitnet_keys(cfg, dims())
+    # The shipped configs restate the defaults: not a setting, nothing to refuse.
+    defaults = ('bitnet_filter = ["output"]\nbitnet_precompute_scale = true\n'
+                "bitnet_keep_codes = false\nbitnet_int8_backward = true\nbitnet_persistent_rows = true")
+    assert check_bitnet_keys(job(tmp_path, [], defaults), dims()) == []
+    assert check_bitnet_keys(job(tmp_path, ["bitnet"], defaults, compile_on=True), dims(dp_shard=2)) == []
+
+
+@pytest.mark.parametrize("sharding,names", [
+    (dict(dp_shard=2), "[parallelism] data_parallel_shard_degree = 2"),
+    (dict(tp=2), "[parallelism] tensor_parallel_degree = 2"),
+    (dict(cp=2), "[parallelism] context_parallel_degree = 2"),
+    (dict(dp_shard=2, tp=2), "data_parallel_shard_degree = 2, [parallelism] tensor_parallel_degree = 2"),
+])
+def test_keep_codes_with_sharded_weights_is_refused(tmp_path, sharding, names):
+    cfg = job(tmp_path, ["bitnet"], "bitnet_keep_codes = true")
+    with pytest.raises(ValueError) as err:
+        check_bitnet_keys(cfg, dims(**sharding))
+    msg = str(err.value)
+    assert "[lowbit] bitnet_keep_codes = true" in msg and names in msg and "no effect" in msg
+
+
+@pytest.mark.parametrize("sharding", [dict(), dict(dp_replicate=2)])
+def test_keep_codes_with_unsharded_weights_is_accepted(tmp_path, sharding):
+    assert check_bitnet_keys(job(tmp_path, ["bitnet"], "bitnet_keep_codes = true"), dims(**sharding)) == []
+
+
+def test_the_wrapped_parallelize_refuses_before_torchtitan_parallelizes(tmp_path):
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    spec = get_train_spec("llama3")
+    with torch.device("meta"):
+        model = spec.model_cls(spec.model_args["debugmodel"])
+    cfg = job(tmp_path, ["bitnet"], "bitnet_keep_codes = true")
+    with pytest.raises(ValueError, match=r"\[lowbit\] bitnet_keep_codes = true"):
+        spec.parallelize_fn(model, dims(dp_shard=2), cfg)
+
+
+@pytest.mark.parametrize("setting,compile_on,sharding,note", [
+    ("bitnet_persistent_rows = false", False, dict(), "bitnet_persistent_rows = false changes nothing"),
+    ("bitnet_persistent_rows = false", True, dict(), None),
+    ("bitnet_precompute_scale = false", False, dict(), "bitnet_precompute_scale = false changes nothing"),
+    ("bitnet_precompute_scale = false", False, dict(dp_shard=2), None),
+    ("bitnet_precompute_scale = false", False, dict(dp_replicate=2), "every BitNet weight is unsharded"),
+])
+def test_opt_outs_that_change_nothing_get_a_note(tmp_path, setting, compile_on, sharding, note):
+    """Turning off a default-on feature where it would not have acted is done as asked:
+    a log line, not a refusal (one file serves runs with and without compile)."""
+    notes = check_bitnet_keys(job(tmp_path, ["bitnet"], setting, compile_on), dims(**sharding))
+    assert (notes == []) if note is None else (len(notes) == 1 and note in notes[0])
+
+
+def test_subln_with_tensor_parallelism_is_refused(tmp_path):
+    from titan_lowbit.bitnet import CONVERTERS
+
+    cfg = job(tmp_path, ["bitnet_subln", "bitnet"])
+    with pytest.raises(NotImplementedError) as err:
+        CONVERTERS["bitnet_subln"](cfg, dims(tp=2))
+    assert "'bitnet_subln'" in str(err.value) and "tensor_parallel_degree = 1" in str(err.value)
+    CONVERTERS["bitnet_subln"](cfg, dims(dp_shard=2))  # FSDP alone is fine
+
+
+# ---- the optimizer builder --------------------------------------------------------------
+
+def build(name="AdamW8bit", early=False, ft_manager=None, base_builder=None, dtype=torch.float32,
+          **lowbit):
+    from torchtitan.components.optimizer import build_optimizers
+    from torchtitan.config import Optimizer as OptimizerConfig
+
+    from titan_lowbit.config import LowBit
+    from titan_lowbit.optimizer_builder import build_lowbit_optimizers
+
+    return build_lowbit_optimizers(
+        [torch.nn.Linear(64, 64, dtype=dtype)], OptimizerConfig(name=name, early_step_in_backward=early),
+        None, ft_manager, lowbit=LowBit(**lowbit), seed=0, base_builder=base_builder or build_optimizers)
+
+
+def test_torchft_is_refused_for_lowbit_optimizers():
+    with pytest.raises(NotImplementedError, match=r"\[optimizer\] name = 'AdamW4bit' .* torchft.*\[fault_tolerance\]"):
+        build("AdamW4bit", ft_manager=SimpleNamespace(enabled=True))
+    build("AdamW4bit", ft_manager=SimpleNamespace(enabled=False))
+
+
+def test_a_train_spec_with_its_own_optimizer_builder_is_refused():
+    def my_builder(*args, **kwargs):
+        raise AssertionError("not reached")
+
+    with pytest.raises(NotImplementedError) as err:
+        build("AdamW8bit", base_builder=my_builder)
+    msg = str(err.value)
+    assert "[optimizer] name = 'AdamW8bit'" in msg and "my_builder" in msg and "Adam/AdamW" in msg
+
+
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdamW"])
+def test_stochastic_rounding_with_early_step_in_backward_is_refused(name):
+    """One optimizer per parameter: every parameter would be at position 0 of its own and
+    draw the same rounding noise."""
+    with pytest.raises(ValueError, match=r"weight_update = 'stochastic' .* early_step_in_backward"):
+        build(name, early=True, dtype=torch.bfloat16, weight_update="stochastic")
+    build(name, early=True, dtype=torch.bfloat16, weight_update="kahan")
+    build(name, early=False, dtype=torch.bfloat16, weight_update="stochastic")
+
+
+def test_subln_with_hugging_face_export_is_refused(tmp_path):
+    """torchtitan's llama3 adapter knows no name for the per-linear norms: the export
+    would fail at the last save, after the whole run."""
+    from titan_lowbit.bitnet import CONVERTERS
+
+    path = tmp_path / "hf.toml"
+    path.write_text(HEADER + '[model]\nconverters = ["bitnet_subln", "bitnet"]\n'
+                    "[checkpoint]\nenable = true\nlast_save_in_hf = true\n")
+    cfg = ConfigManager().parse_args(["--job.config_file", str(path)])
+    with pytest.raises(NotImplementedError) as err:
+        CONVERTERS["bitnet_subln"](cfg, dims())
+    assert "[checkpoint] last_save_in_hf = true" in str(err.value) and "last_save_in_hf = false" in str(err.value)
+    cfg.checkpoint.last_save_in_hf = False
+    CONVERTERS["bitnet_subln"](cfg, dims())
