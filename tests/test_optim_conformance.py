@@ -23,9 +23,10 @@ import pytest
 import torch
 
 from titan_lowbit.optim import LowBitAdamW
+from titan_lowbit.optim.adamw import WEIGHT_UPDATES
 
 FORMATS = ["fp32", "bf16", "8bit", "4bit", "fp8"]
-UPDATES = ["nearest", "stochastic", "kahan", "master"]
+UPDATES = list(WEIGHT_UPDATES)
 # (state format, weight update, weight dtype): every update for bf16 weights, fp32 weights
 # (always updated exactly) once per format
 CASES = ([(f, u, torch.bfloat16) for f in FORMATS for u in UPDATES]
@@ -491,11 +492,11 @@ def test_compiled_step_equals_eager(backend):
 
 # Relative distance from torch.optim.AdamW (fp32 weights and states, from the same start)
 # after 8 steps, ||ours - torch|| / ||torch - start|| over all parameters. Measured (CPU,
-# torch 2.13): fp32 weights: fp32 4.3e-7, bf16 1.5e-3, 8bit 1.1e-2, 4bit 0.19, fp8 2.3e-2;
+# torch 2.13): fp32 weights: fp32 4.3e-7 (3.4e-6 with the fused kernel on an H100), bf16 1.5e-3, 8bit 1.1e-2, 4bit 0.19, fp8 2.3e-2;
 # bf16 weights with fp32 states add about: nearest 0.16, stochastic 0.20, kahan and master
 # 0.05 (the bf16 weight itself). Bounds: about 1.5 to 5 times the measured values.
-TOLERANCE = {"fp32": 2e-6, "bf16": 3e-3, "8bit": 2.5e-2, "4bit": 0.3, "fp8": 5e-2}
-BF16_WEIGHTS = {"nearest": 0.25, "stochastic": 0.3, "kahan": 0.08, "master": 0.08}
+TOLERANCE = {"fp32": 1e-5, "bf16": 3e-3, "8bit": 2.5e-2, "4bit": 0.3, "fp8": 5e-2}
+BF16_WEIGHTS = {"nearest": 0.25, "stochastic": 0.3, "kahan": 0.08, "master": 0.08, "master_remainder": 0.08}
 # every format with fp32 weights; every update with bf16 weights, for a plain and a quantized
 # format (the update's share does not depend on the format: measured above)
 DISTANCE_CASES = [c for c in CASES if c[2] == torch.float32 or c[0] in ("fp32", "8bit")]
