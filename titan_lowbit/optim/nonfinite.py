@@ -208,6 +208,5 @@ def describe(overflow: bool, state: dict[str, torch.Tensor], weight: torch.Tenso
     if not bool(weight.float().isfinite().all()):
         return "a non-finite weight (inf/nan)"
     if overflow:
-        return ("an update that overflows fp32 (a finite gradient whose square does, |g| >= 2**64, "
-                "or eps=0 with a zero gradient and moment)")
+        return f"an update that overflows: {_FOUND[FOUND_SQUARE]} (or eps=0 with a zero gradient and moment)"
     return _FOUND[FOUND_GRAD]

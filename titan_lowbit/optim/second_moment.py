@@ -23,13 +23,14 @@ from typing import Iterable, Optional
 
 import torch
 
-from titan_lowbit.kernels.quant_maps import SMALLEST_POSITIVE_CODE
+from titan_lowbit.kernels.quant_maps import CODEC_DYN8_UNSIGNED, SMALLEST_POSITIVE_CODE
 
 from .formats import StateFormat
 
 logger = logging.getLogger(__name__)
 
-# codec magnitude mask of the one-byte codes (8-bit dynamic tree, fp8 e4m3): sign bit off
+# magnitude bits of the signed one-byte codes (8-bit signed dynamic tree, fp8 e4m3): the
+# sign bit off, so -0 counts as 0; the unsigned 8-bit map's 8 bits are all magnitude
 _MAGNITUDE = 0x7F
 
 
@@ -41,7 +42,8 @@ def lost_second_moments(fmt: StateFormat, state: dict[str, torch.Tensor]) -> Opt
         return None
     m = state["exp_avg_codes"].view(torch.uint8)
     v = state["exp_avg_sq_codes"].view(torch.uint8)
-    return ((v & _MAGNITUDE) == 0) & ((m & _MAGNITUDE) != 0)
+    v_zero = (v == 0) if fmt.v_codec == CODEC_DYN8_UNSIGNED else ((v & _MAGNITUDE) == 0)
+    return v_zero & ((m & _MAGNITUDE) != 0)
 
 
 def restore_second_moments(params: Iterable[tuple[str, StateFormat, dict[str, torch.Tensor]]]) -> int:
