@@ -17,7 +17,7 @@ alternating rounds. A version is ``NAME`` or ``NAME:OPTION=VALUE,...`` with opti
 
 Prints the median ms per step of every version in every round, then each version's median
 over rounds. Rows: LowBitAdamW on the TinyLlama-1.1B parameter set (bench_optimizer.py's),
-``nonfinite_grad="ignore"``.
+``nonfinite_grad="ignore"`` (``--nonfinite raise``: the default policy, guarded kernels).
 """
 
 from __future__ import annotations
@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--only", nargs="*", default=[], help="configs whose 'format dtype update' contains one of these")
+    ap.add_argument("--nonfinite", default="ignore", choices=("ignore", "raise"),
+                    help="the optimizers' nonfinite_grad: 'raise' times the guarded kernels")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("ab_kernel.py needs a CUDA GPU")
@@ -110,7 +112,7 @@ def main() -> None:
             continue
         params = make_params(getattr(torch, dtype), torch.Generator(device="cuda").manual_seed(0))
         opt = LowBitAdamW(params, lr=1e-4, weight_decay=0.1, state_format=fmt, weight_update=update,
-                          nonfinite_grad="ignore", seed=0)
+                          nonfinite_grad=args.nonfinite, seed=0)
         opt.step()  # builds the launch plans that the versions adjust
         times: dict[str, list[float]] = {v.name: [] for v in versions}
         try:
