@@ -627,8 +627,9 @@ class LowBitAdamW(torch.optim.Optimizer):
         """The step's non-finite check of ``nonfinite_grad="skip"`` alone, for a container
         of several optimizers that must decide for all of them before stepping any (a skip
         of one after another stepped would leave the model parts out of step): the name of
-        a parameter with an inf/nan gradient, '' if only another rank has one, None if all
-        are finite or the policy is another."""
+        a parameter with an inf/nan gradient (or one whose square overflows, or a non-finite
+        state scale), '' if only another rank has one, None if none has or the policy is
+        another."""
         if self.nonfinite_grad != "skip":
             return None
         plan, raw_grads = self._checked_plan()
