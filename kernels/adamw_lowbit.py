@@ -26,6 +26,10 @@ Math, per element, all in fp32 (llm.c style; names as in the code)::
               bf16, STOCHASTIC:    p = bf16(truncate(bits(p_new) + (hash(idx) >> 16)))   (NaN -> 0x7FC0)
                                    hash(idx) = mix32(((lo32(idx) ^ tensor_key ^ step_key) + hi32(idx) * GOLDEN32))
               bf16, KAHAN:         s = (p_new - p) + c;  p' = bf16_rne(p + s);  c = bf16_rne(s - (p' - p))
+              bf16, MASTER_REMAINDER: MASTER's fp32 master w (below), held as the bf16 weight p and an
+                                   int16 remainder r: w = bits(p) << 16 + r (r sign-extended, mod 2**32);
+                                   r = low 16 bits of w, p = (bits(w) + 0x8000) >> 16 (nearest, ties
+                                   away from zero: see _master_split; a NaN w gives a quiet NaN p)
               bf16, MASTER:        the math above runs on the fp32 master w; w = p_new; p = bf16_rne(w)
               v is zero-free: a positive v is never coded 0 (quant_maps.py)
     guard:    (NonfiniteGuard) a block where the step would write a non-finite value (new m,
@@ -55,6 +59,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from titan_lowbit.compat import private_api_ok
+
 from .quant_maps import (
     CODEC_DYN4_SIGNED,
     CODEC_DYN8_SIGNED,
@@ -81,8 +87,10 @@ UPDATE_NEAREST = 0
 UPDATE_STOCHASTIC = 1
 UPDATE_KAHAN = 2
 UPDATE_MASTER = 3
+UPDATE_MASTER_REMAINDER = 4
 WEIGHT_UPDATES = {"nearest": UPDATE_NEAREST, "stochastic": UPDATE_STOCHASTIC,
-                  "kahan": UPDATE_KAHAN, "master": UPDATE_MASTER}
+                  "kahan": UPDATE_KAHAN, "master": UPDATE_MASTER,
+                  "master_remainder": UPDATE_MASTER_REMAINDER}
 
 # Columns of the per-tensor metadata table (int64).
 META_PARAM, META_M, META_V, META_MSCALE, META_VSCALE, META_EXTRA = 0, 1, 2, 3, 4, 5
@@ -167,6 +175,7 @@ _K_UPDATE_NEAREST = tl.constexpr(UPDATE_NEAREST)
 _K_UPDATE_STOCHASTIC = tl.constexpr(UPDATE_STOCHASTIC)
 _K_UPDATE_KAHAN = tl.constexpr(UPDATE_KAHAN)
 _K_UPDATE_MASTER = tl.constexpr(UPDATE_MASTER)
+_K_UPDATE_MASTER_REMAINDER = tl.constexpr(UPDATE_MASTER_REMAINDER)
 _K_META_PARAM = tl.constexpr(META_PARAM)
 _K_META_M = tl.constexpr(META_M)
 _K_META_V = tl.constexpr(META_V)
@@ -254,6 +263,31 @@ def _bf16_stochastic(x, gidx, key, IDX32: tl.constexpr):
         h = _mix32_top((lo ^ key) + hi * _K_GOLDEN32, 0)
     bits = tl.where(x == x, x.to(tl.uint32, bitcast=True), 0x7FC00000)
     return ((bits + (h >> 16)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _master_split(x):
+    """fp32 master weight -> (bf16 weight, int16 remainder), exact: the remainder is x's low
+    16 bits, the weight its high half rounded to nearest by those bits, ties away from zero
+    (``(bits + 0x8000) >> 16``; the rounding up when the remainder is negative as an int16).
+    Round to nearest even cannot be used: at a tie with an even high half it rounds down,
+    with an odd one up, so an even bf16 value is the rounding of 2**16 + 1 fp32 values,
+    more than 16 bits can tell apart. Finite values and infinities round trip bit for bit
+    (a finite value past bf16's largest gives inf, rebuilt exactly); a NaN gives bf16's
+    quiet NaN of its high half, as ``_bf16_rne`` does, and rebuilds as a NaN. Integer
+    arithmetic, so GPU and interpreter give the same bits."""
+    bits = x.to(tl.uint32, bitcast=True)
+    hi = tl.where(x == x, (bits + 0x8000) >> 16, (bits >> 16) | 0x40)
+    rem = (bits & 0xFFFF).to(tl.uint16).to(tl.int16, bitcast=True)
+    return hi.to(tl.uint16).to(tl.bfloat16, bitcast=True), rem
+
+
+@triton.jit
+def _master_rebuild(w, rem):
+    """(bf16 weight, int16 remainder) -> the fp32 master: ``bits(w) << 16 + rem`` with rem
+    sign-extended, mod 2**32 (inverse of ``_master_split``)."""
+    hi = w.to(tl.uint16, bitcast=True).to(tl.uint32) << 16
+    return (hi + rem.to(tl.int32).to(tl.uint32, bitcast=True)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -615,6 +649,8 @@ def _step_tile(tiles_ptr, t, meta_ptr, grad_offsets_ptr, tab_m, tab_v, etab_m, e
     xptr = x_base + _meta_offset(meta, _K_META_EXTRA, ALIGNED) + eoff
     if PARAM_BF16 and UPDATE == _K_UPDATE_MASTER:
         p = _ld(xptr, emask, EVEN)
+    elif PARAM_BF16 and UPDATE == _K_UPDATE_MASTER_REMAINDER:
+        p = _master_rebuild(_ld(pptr, emask, EVEN), _ld(xptr, emask, EVEN))
     else:
         p = _ld(pptr, emask, EVEN).to(tl.float32)
     m_base = m_base + _meta_offset(meta, _K_META_M, ALIGNED)
@@ -694,6 +730,10 @@ def _step_tile(tiles_ptr, t, meta_ptr, grad_offsets_ptr, tab_m, tab_v, etab_m, e
         p_b = _bf16_rne(p + s, HW_CAST)
         _st(pptr, p_b, emask, ST_EVEN)
         _st(xptr, _bf16_rne(s - (p_b.to(tl.float32) - p), HW_CAST), emask, ST_EVEN)
+    elif UPDATE == _K_UPDATE_MASTER_REMAINDER:
+        p_b, rem = _master_split(p_new)
+        _st(xptr, rem, emask, ST_EVEN)
+        _st(pptr, p_b, emask, ST_EVEN)
     else:  # MASTER
         _st(xptr, p_new, emask, ST_EVEN)
         _st(pptr, _bf16_rne(p_new, HW_CAST), emask, ST_EVEN)
@@ -834,7 +874,7 @@ class AdamWTensor:
     exp_avg_sq: torch.Tensor
     exp_avg_scale: Optional[torch.Tensor]  # fp32 [rows, ceil(cols/block)] absmax, or None
     exp_avg_sq_scale: Optional[torch.Tensor]
-    extra: Optional[torch.Tensor]  # fp32 master weights or bf16 Kahan compensation, or None
+    extra: Optional[torch.Tensor]  # fp32 master weights, int16 remainders, bf16 Kahan compensation, or None
     rows: int
     cols: int
     sr_base: int = 0  # global index of local element (r, c) = sr_base + r * sr_row_stride + c
@@ -1053,7 +1093,7 @@ class FusedAdamW:
         )
         grid = triton.cdiv(self.n_tiles, tiles)
         key = None
-        if not interpreting():
+        if not interpreting() and private_api_ok("triton"):  # the launch cache: titan_lowbit/compat.py
             key = (lr_tensor.dtype, lr_tensor.data_ptr() % _SPECIALIZE_ALIGN, self._grad_base.dtype,
                    self._grad_base.data_ptr() % _SPECIALIZE_ALIGN, flags.data_ptr() % _SPECIALIZE_ALIGN,
                    guard is not None, torch.cuda.current_device())

@@ -18,6 +18,7 @@ import torch
 from .adamw_lowbit import (
     UPDATE_KAHAN,
     UPDATE_MASTER,
+    UPDATE_MASTER_REMAINDER,
     UPDATE_NEAREST,
     UPDATE_STOCHASTIC,
     AdamWConfig,
@@ -79,6 +80,32 @@ def bf16_rne(x: torch.Tensor) -> torch.Tensor:
     """fp32 -> bf16, round to nearest even (twin of ``_bf16_rne``): torch's cast, which
     rounds the same way as the kernel's integer arithmetic (tests compare the two)."""
     return x.to(torch.bfloat16)
+
+
+def _as_int(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int64 tensor of unsigned values below 2**width -> the same bit patterns as the
+    signed ``dtype`` (int16 or int32) of that width."""
+    width = torch.iinfo(dtype).bits
+    return (bits - ((bits >> (width - 1)) << width)).to(dtype)
+
+
+def master_split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 master weights -> (bf16 weights, int16 remainders), bit exact (twin of
+    ``_master_split``): the remainder is x's low 16 bits, the weight x's high half rounded
+    to nearest by them, ties away from zero, ``(bits + 0x8000) >> 16``; a NaN gives bf16's
+    quiet NaN of its high half. ``master_rebuild(*master_split(x))`` is x bit for bit for
+    every non-NaN fp32 value (a NaN stays a NaN)."""
+    bits = _f32_bits(x).to(torch.int64) & MASK32
+    hi = torch.where(torch.isnan(x), (bits >> 16) | 0x40, (bits + 0x8000) >> 16) & 0xFFFF
+    return _as_int(hi, torch.int16).view(torch.bfloat16), _as_int(bits & 0xFFFF, torch.int16)
+
+
+def master_rebuild(w: torch.Tensor, rem: torch.Tensor) -> torch.Tensor:
+    """(bf16 weights, int16 remainders) -> fp32 master weights, ``bits(w) << 16 + rem`` with
+    rem sign-extended, mod 2**32 (twin of ``_master_rebuild``)."""
+    hi = w.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+    bits = ((hi << 16) + rem.to(torch.int64)) & MASK32
+    return _as_int(bits, torch.int32).view(torch.float32)
 
 
 def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
@@ -295,6 +322,8 @@ def adamw_step_reference(cfg: AdamWConfig, tensors: Sequence[AdamWTensor], grads
         p_stored = t.param.reshape(t.rows, t.cols).to(torch.float32)
         if bf16_param and cfg.weight_update == UPDATE_MASTER:
             p = t.extra.reshape(t.rows, t.cols).clone()
+        elif bf16_param and cfg.weight_update == UPDATE_MASTER_REMAINDER:
+            p = master_rebuild(t.param.reshape(t.rows, t.cols), t.extra.reshape(t.rows, t.cols))
         else:
             p = p_stored
         m = _load_moment(cfg, t, t.exp_avg, t.exp_avg_scale, cfg.m_codec)
@@ -337,6 +366,9 @@ def adamw_step_reference(cfg: AdamWConfig, tensors: Sequence[AdamWTensor], grads
             sum_ = (p_new - p) + comp
             out = bf16_rne(p + sum_)
             _write(t.extra, bf16_rne(sum_ - (out.to(torch.float32) - p)), keep_elems)
+        elif cfg.weight_update == UPDATE_MASTER_REMAINDER:
+            out, rem = master_split(p_new)
+            _write(t.extra, rem, keep_elems)
         else:
             _write(t.extra, p_new, keep_elems)
             out = bf16_rne(p_new)

@@ -22,21 +22,23 @@ Inside a torch.compile graph (the ``torch.library.triton_op`` operators of
 (``torch.library.wrap_triton``) instead: Inductor then compiles the kernel and launches it
 from its generated code, with no Python of ours left per step.
 
-Under TRITON_INTERPRET=1 the kernels are interpreted functions with nothing compiled to
-keep: every launch goes through Triton. ``TITAN_LOWBIT_FAST_LAUNCH=0`` sends every
-launch through Triton on the GPU as well (for comparisons; same kernels, same results).
+The compiled kernel's launcher and its arguments are Triton's private layout, so the
+cache is used only with a tested Triton (``titan_lowbit.compat``; the check runs at a
+kernel's first launch): otherwise, and with ``TITAN_LOWBIT_PRIVATE_APIS=0``, every launch
+goes through Triton (same kernels, same results). Under TRITON_INTERPRET=1 the kernels are
+interpreted functions with nothing compiled to keep: every launch goes through Triton.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
-FAST_LAUNCH = os.environ.get("TITAN_LOWBIT_FAST_LAUNCH", "1") != "0"
+from titan_lowbit.compat import private_api_ok
+
 # Distinct specializations kept per kernel; a run with ever-changing shapes (e.g. varying
 # sequence lengths) starts over instead of growing without bound.
 MAX_ENTRIES = 512
@@ -102,6 +104,7 @@ class FastKernel:
         self.jit = _jit_function(kernel)
         self._entries: dict = {}
         self._driver = None
+        self._enabled = None  # decided at the first launch (compat.private_api_ok)
         if self.jit is not None:
             params = self.jit.params
             n_rt = sum(not p.is_constexpr for p in params)
@@ -110,7 +113,13 @@ class FastKernel:
                                 "parameters after all runtime parameters")
             self._n_runtime = n_rt
             self._constexpr_names = tuple(p.name for p in params[n_rt:])
-        self.enabled = FAST_LAUNCH and self.jit is not None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether launches go through the cache: a compiled kernel and a tested Triton."""
+        if self._enabled is None:
+            self._enabled = self.jit is not None and private_api_ok("triton")
+        return self._enabled
 
     # -- the cache ----------------------------------------------------------------------
 

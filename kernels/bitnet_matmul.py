@@ -111,9 +111,17 @@ def _configs(tma: bool, host_descriptors: bool = True) -> list[triton.Config]:
                                       TMA_STORE=store, SPLIT_N=split),
                                  num_warps=w, num_stages=st, pre_hook=hook)
                    for bm, bn, bk, w, st, per_sm, store, split in tiles]
-    # TITAN_LOWBIT_INT8_AUTOTUNE=0 takes the first tile without timing the others (quick
-    # GPU test runs; each new shape otherwise costs one timing of every config).
+    return configs
+
+
+def _untimed_with_switch(configs, named_args, **kwargs):
+    """The autotuner's pruning step, run once per new shape: with
+    ``TITAN_LOWBIT_INT8_AUTOTUNE=0`` the first tile, without timing the others (quick GPU
+    test runs; each new shape otherwise costs one timing of every config)."""
     return configs[:1] if os.environ.get("TITAN_LOWBIT_INT8_AUTOTUNE") == "0" else configs
+
+
+_AUTOTUNE_SWITCH = {"early_config_prune": _untimed_with_switch}
 
 
 @functools.lru_cache(maxsize=None)
@@ -165,7 +173,7 @@ def _store_pointer(out, out_ptr, stride_om, M, N, pid_m, pid_n,
              mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
-@triton.autotune(configs=_configs(tma=False), key=["M", "N", "K"])
+@triton.autotune(configs=_configs(tma=False), key=["M", "N", "K"], prune_configs_by=_AUTOTUNE_SWITCH)
 @triton.jit
 def _int8_matmul_kernel(
     a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, out_ptr,
@@ -241,7 +249,7 @@ def _tma_program(a_desc, b_desc, o_desc, a_scale_ptr, b_scale_ptr, out_ptr, M, N
                       M, N, K, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_N, STORE_TMA)
 
 
-@triton.autotune(configs=_configs(tma=True), key=["M", "N", "K"])
+@triton.autotune(configs=_configs(tma=True), key=["M", "N", "K"], prune_configs_by=_AUTOTUNE_SWITCH)
 @triton.jit
 def _int8_matmul_tma_kernel(
     a_desc, b_desc, o_desc, a_scale_ptr, b_scale_ptr, out_ptr,
@@ -260,7 +268,8 @@ def _int8_matmul_tma_kernel(
                  BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PER_SM, SPLIT_N, TMA_STORE and OUT_ALIGNED)
 
 
-@triton.autotune(configs=_configs(tma=True, host_descriptors=False), key=["M", "N", "K"])
+@triton.autotune(configs=_configs(tma=True, host_descriptors=False), key=["M", "N", "K"],
+                 prune_configs_by=_AUTOTUNE_SWITCH)
 @triton.jit
 def _int8_matmul_tma_device_kernel(
     a_ptr, b_ptr, a_scale_ptr, b_scale_ptr, out_ptr,

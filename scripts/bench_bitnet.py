@@ -4,7 +4,7 @@
     python scripts/bench_bitnet.py                      # GPU: the four shapes, 16384 tokens
     python scripts/bench_bitnet.py --allgather-only     # FSDP2 all-gather bytes (CPU is fine)
     python scripts/bench_bitnet.py --host-only          # GPU: host time of one layer and its pieces
-    python scripts/bench_bitnet.py --host-breakdown     # host us per piece (GPU; CPU: launches stubbed)
+    python scripts/bench_bitnet.py --host-breakdown     # GPU: host us per piece of one layer
     python scripts/bench_bitnet.py --matmul-only --tokens 8192 --shapes 2048x2048,2048x512,2048x5632,5632x2048
                                                         # GPU: int8 matmul variants (the 1B model's GEMMs)
 
@@ -319,82 +319,6 @@ def host_overhead(k, n, dev, tokens=16, iters=200) -> dict:
     return out
 
 
-def stub_triton_launches() -> dict:
-    """Stub out Triton's compiler and launcher, for host-time measurements and launch tests
-    on a machine without a GPU. Must run before triton is imported with TRITON_INTERPRET
-    set (it sets TRITON_INTERPRET=0).
-
-    Triton runs normally up to the launch: Autotuner.run and JITFunction.run bind and
-    specialize the arguments, look the kernel up in its cache and call the compiled
-    kernel's ``run``, which here does nothing but count (and record, when
-    ``stub["record"]`` is a list, the arguments it got); the first launch of each
-    specialization "compiles" a stub instead of a cubin. Returns the counters:
-    ``launches`` (compiled-kernel runs) and ``triton_runs`` (launches that went through
-    JITFunction.run).
-    """
-    os.environ["TRITON_INTERPRET"] = "0"
-    os.environ["TITAN_LOWBIT_INT8_AUTOTUNE"] = "0"  # one tile: nothing to time
-    import triton  # noqa: F401
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
-    from triton.runtime.jit import JITFunction
-
-    stub = {"launches": 0, "triton_runs": 0, "record": None}
-
-    class _StubKernel:
-        function = 0x5EED
-        packed_metadata = ("packed",)
-
-        def __init__(self, name):
-            self.name = name
-
-        def launch_metadata(self, grid, stream, *args):
-            return {"name": self.name, "grid": grid}
-
-        def run(self, *args):
-            stub["launches"] += 1
-            if stub["record"] is not None:
-                stub["record"].append((self.name, args))
-
-    class _StubDriver:
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 7
-
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_active_torch_device(self):
-            return torch.device("cpu")
-
-    def _do_compile(self, key, signature, device, constexprs, options, attrs, warmup):
-        kernel = _StubKernel(self.__name__)
-        self.device_caches[device][0][key] = kernel
-        return kernel
-
-    jit_run = JITFunction.run
-
-    def _counting_run(self, *args, **kwargs):
-        stub["triton_runs"] += 1
-        return jit_run(self, *args, **kwargs)
-
-    driver.set_active(_StubDriver())
-    JITFunction._do_compile = _do_compile
-    JITFunction.run = _counting_run
-    return stub
-
-
-def _bitnet_gpu_path_on_cpu():
-    """With stubbed launches: CPU tensors take the layer's Triton path (TMA where aligned)."""
-    from titan_lowbit.bitnet import ops
-    from titan_lowbit.kernels import bitnet_matmul as mm
-
-    ops._on_gpu = lambda t: True
-    mm._tma_ok = lambda *ts: all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in ts)
-
-
 def _python_torch_ops(fn) -> int:
     """torch ops issued from Python (aten ops not nested in another aten op) by one call."""
     from torch.profiler import ProfilerActivity, profile
@@ -412,19 +336,17 @@ def _python_torch_ops(fn) -> int:
     return n
 
 
-def host_breakdown(k, n, dev, tokens=16, iters=300, launch_counter=None) -> dict:
+def host_breakdown(k, n, dev, tokens=16, iters=300) -> dict:
     """Host microseconds of each piece of one BitNet layer, and what one layer issues.
 
     Wall time per call at 16 tokens (GPU idle, one synchronization at the end); the
-    fastest of five repetitions (host time only grows under interference). On CPU
-    (``stub_triton_launches``) the Triton launches are no-ops, so the figures are the
-    Python/torch work around them.
+    fastest of five repetitions (host time only grows under interference).
     """
     from titan_lowbit.bitnet import BitNetTrainingWeight, ops
     from titan_lowbit.kernels import bitnet_matmul as mm
     from titan_lowbit.kernels import bitnet_quant as bq
 
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize
     torch.manual_seed(0)
     x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, n, device=dev, dtype=torch.bfloat16)
@@ -500,28 +422,25 @@ def host_breakdown(k, n, dev, tokens=16, iters=300, launch_counter=None) -> dict
     out = {"shape": f"{k}->{n}", "tokens": tokens, "device": str(dev)}
     for name, fn in pieces.items():
         out[f"{name}_us"] = round(per_call_us(fn), 1)
-    # What one layer's forward + backward issues. Triton launches: the stub's counter on
-    # CPU, a launch hook on the GPU (Triton's launcher calls it for every launch).
-    hook = None
-    if launch_counter is None:
-        from triton import knobs
+    # What one layer's forward + backward issues; Triton's launcher calls the launch
+    # hook for every launch.
+    from triton import knobs
 
-        launch_counter = {"launches": 0}
+    launches = [0]
 
-        def hook(metadata):
-            launch_counter["launches"] += 1
+    def hook(metadata):
+        launches[0] += 1
 
-        knobs.runtime.launch_enter_hook.add(hook)
+    knobs.runtime.launch_enter_hook.add(hook)
     try:
         for name in ("layer_bf16", "layer_bitnet", "layer_bitnet_wq_fp32_autocast"):
-            before = launch_counter["launches"]
+            before = launches[0]
             pieces[name]()
             sync()
-            out[f"{name}_triton_launches"] = launch_counter["launches"] - before
+            out[f"{name}_triton_launches"] = launches[0] - before
             out[f"{name}_torch_ops"] = _python_torch_ops(pieces[name])
     finally:
-        if hook is not None:
-            knobs.runtime.launch_enter_hook.remove(hook)
+        knobs.runtime.launch_enter_hook.remove(hook)
     return out
 
 
@@ -535,7 +454,7 @@ def allgather_bytes(flavor: str, filter_fqns=("output",)) -> dict:
     reshard_after_forward=True, so a step gathers them twice (forward, and again for the
     backward); [norm, output] is one unit with reshard_after_forward=False, gathered once.
     """
-    import titan_lowbit  # noqa: F401  (registers the 1B flavor)
+    import titan_lowbit.torchtitan  # noqa: F401  (registers the 1B flavor)
     from torchtitan.models.llama3 import llama3_args
     from torchtitan.models.llama3.model.model import Transformer
 
@@ -577,7 +496,7 @@ def _gloo_worker(rank, port, flavor, converted, out_path):
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    import titan_lowbit  # noqa: F401
+    import titan_lowbit.torchtitan  # noqa: F401
     from torchtitan.models.llama3 import llama3_args
     from torchtitan.models.llama3.model.model import Transformer
 
@@ -667,13 +586,12 @@ def main():
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--shapes", default=None,
                     help="comma-separated INxOUT (default: the four shapes above; for "
-                         "--host-breakdown the two 2048-wide ones on a GPU, 128x256,256x128 on CPU)")
+                         "--host-breakdown the two 2048-wide ones)")
     ap.add_argument("--no-torchao", action="store_true")
     ap.add_argument("--allgather-only", action="store_true")
     ap.add_argument("--host-only", action="store_true", help="only the host-overhead timing")
     ap.add_argument("--host-breakdown", action="store_true",
-                    help="host microseconds of each piece of one BitNet layer (GPU, or CPU with "
-                         "the Triton launches stubbed out)")
+                    help="host microseconds of each piece of one BitNet layer (GPU)")
     ap.add_argument("--measure-gloo", action="store_true",
                     help="also count real FSDP2 all-gather bytes on 2 gloo processes (debug model)")
     ap.add_argument("--matmul-only", action="store_true",
@@ -683,22 +601,16 @@ def main():
     ap.add_argument("--json", help="write all numbers here")
     args = ap.parse_args()
     if args.host_breakdown:
-        counter = None
         if not torch.cuda.is_available():
-            counter = stub_triton_launches()
-            _bitnet_gpu_path_on_cpu()
-        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            sys.exit("bench_bitnet.py: --host-breakdown needs a GPU")
+        dev = torch.device("cuda")
         # Host time hardly depends on the shape, GPU time does: the pieces that read the
         # whole weight (quantize_weight, ternarize, the transposed copy) stay host-bound
-        # on an H100 for the 2048-wide shapes, not for the 4096 x 14336 ones. On CPU the
-        # torch ops run for real, hence small shapes there.
-        shapes = _parse_shapes(args.shapes) if args.shapes else (
-            SHAPES[:2] if dev.type == "cuda" else [(128, 256), (256, 128)])
-        if dev.type == "cpu":
-            torch.set_num_threads(1)
+        # on an H100 for the 2048-wide shapes, not for the 4096 x 14336 ones.
+        shapes = _parse_shapes(args.shapes) if args.shapes else SHAPES[:2]
         res = {"argv": sys.argv, "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-               "torch": torch.__version__, "stubbed_launches": counter is not None,
-               "breakdown": [host_breakdown(k, n, dev, launch_counter=counter) for k, n in shapes]}
+               "torch": torch.__version__,
+               "breakdown": [host_breakdown(k, n, dev) for k, n in shapes]}
         import triton
         res["triton"] = triton.__version__
         for b in res["breakdown"]:

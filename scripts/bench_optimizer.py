@@ -4,11 +4,12 @@
 The step is memory-bound, so the yardstick is bandwidth: for each optimizer we count the
 fewest bytes a step must move per parameter (gradient read once, weight read and written,
 every state byte read and written; with fp32 master weights the bf16 weight is only
-written) and divide by the measured time, then compare with a
-device-to-device copy measured in the same run.
+written, with master weights as remainders it is read and written) and divide by the
+measured time, then compare with a device-to-device copy measured in the same run.
 
     python3 scripts/bench_optimizer.py                 # all rows, markdown table last
     python3 scripts/bench_optimizer.py --only 8bit     # rows whose label contains '8bit'
+    python3 scripts/bench_optimizer.py --only master --no-peers   # master and master_remainder rows
     python3 scripts/bench_optimizer.py --sweep         # also launch-shape variants of LowBitAdamW
 
 Weights and gradients are random (never zeros). Times: median of --steps steps after
@@ -124,7 +125,10 @@ def row_specs(args) -> list[dict]:
         ours(fmt, torch.bfloat16, "stochastic")
     ours("8bit", torch.bfloat16, "nearest")
     ours("8bit", torch.bfloat16, "kahan")
-    ours("8bit", torch.bfloat16, "master")
+    # fp32 master weights, as fp32 state and as the bf16 weight + a 16-bit remainder
+    for fmt in ("8bit", "4bit", "fp8", "bf16", "fp32"):
+        ours(fmt, torch.bfloat16, "master")
+        ours(fmt, torch.bfloat16, "master_remainder")
     # the other non-finite policies: no check at all, and the check before the step
     ours("8bit", torch.float32, nonfinite_grad="ignore")
     ours("8bit", torch.bfloat16, "stochastic", nonfinite_grad="ignore")
@@ -147,7 +151,7 @@ def row_specs(args) -> list[dict]:
             for cls in ("AdamW8bit", "AdamW4bit", "AdamWFp8"):
                 specs.append(dict(label=f"torchao {cls} (compiled)", update="exact", dtype=torch.float32,
                                   build=lambda params, c=cls: getattr(tao, c)(params, lr=1e-4, weight_decay=0.1)))
-            # The second torchao figure: 8-bit states, bf16 weights, stochastic rounding.
+            # torchao with 8-bit states, bf16 weights and stochastic rounding.
             specs.append(dict(label="torchao AdamW8bit (compiled)", update="stochastic", dtype=torch.bfloat16,
                               build=lambda params: tao.AdamW8bit(params, lr=1e-4, weight_decay=0.1,
                                                                  bf16_stochastic_round=True)))
@@ -160,14 +164,14 @@ def row_specs(args) -> list[dict]:
                               build=lambda params: bnb.optim.AdamW8bit(params, lr=1e-4, weight_decay=0.1)))
         except Exception as e:  # noqa: BLE001
             print(f"bitsandbytes unavailable: {type(e).__name__}: {e}", file=sys.stderr)
-    return [s for s in specs if not args.only or any(o in s["label"] for o in args.only)]
+    return [s for s in specs if not args.only or any(o in s["label"] or o in s["update"] for o in args.only)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--only", nargs="*", default=[])
+    ap.add_argument("--only", nargs="*", default=[], help="rows whose label or bf16 update contains one of these")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-peers", dest="peers", action="store_false")
     args = ap.parse_args()
@@ -205,7 +209,9 @@ def main() -> None:
         wbytes = torch.finfo(spec["dtype"]).bits // 8
         gbytes = wbytes
         # With fp32 master weights (counted in the state, read and written) the bf16
-        # weight is only written: the update never needs its old value.
+        # weight is only written: the update never needs its old value. As a remainder
+        # (master_remainder: in the state too) the master is rebuilt from the weight, which
+        # is then read and written.
         wtraffic = wbytes if spec["update"] == "master" else 2 * wbytes
         min_bytes = gbytes + wtraffic + 2 * state_bytes
         tbps = min_bytes * n / (ms / 1e3) / 1e12
@@ -214,7 +220,7 @@ def main() -> None:
                    ms_queued=ms_queued, pct_queued=100 * min_bytes * n / (ms_queued / 1e3) / bw,
                    setup=time.time() - t0)
         rows.append(row)
-        print(f"{row['label']:<55} {row['dtype']:<9} {row['update']:<10} {min_bytes:6.2f} B/param "
+        print(f"{row['label']:<55} {row['dtype']:<9} {row['update']:<16} {min_bytes:6.2f} B/param "
               f"{ms:8.2f} ms {tbps:5.2f} TB/s {row['pct']:5.1f}% state {state_bytes:6.3f} B/param; "
               f"queued {ms_queued:.2f} ms {row['pct_queued']:5.1f}% "
               f"(setup+first step {row['setup']:.1f} s)", flush=True)

@@ -30,9 +30,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from titan_lowbit.run_logs import step_losses
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-from runs import step_losses  # noqa: E402
 VAL_LOSS = re.compile(r"validate step:\s*(\d+)\s+loss:\s*(-?[0-9.]+|nan|inf)")
 
 # (label, optimizer name, [lowbit] weight_dtype, [lowbit] weight_update)
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [(lr, seed, v) for lr in lrs for seed in seeds for v in variants]
     # The offline dataset once, before the runs: train.sh prepares it when missing, and
     # several runs starting at once would each write it.
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--if-missing"],
+    subprocess.run([sys.executable, "-m", "titan_lowbit.prepare_data", "--if-missing"],
                    cwd=ROOT, check=True)
     results = {}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -12,13 +12,11 @@ that Nsight Compute sees only its launches:
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_optimizer import make_params  # noqa: E402  (one definition of the parameter set)
+from bench_optimizer import make_params  # scripts/bench_optimizer.py, beside this file
 
 
 def main() -> None:

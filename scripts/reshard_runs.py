@@ -36,9 +36,8 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runs import (ROOT, Budget, gpu_count, launch, parse_log, resume_dump,  # noqa: E402
-                  summarize, versions)
+from runs import ROOT, Budget, gpu_count, launch, resume_dump, versions  # scripts/runs.py, beside this file
+from titan_lowbit.run_logs import parse_log, summarize
 
 
 def mesh_args(nproc: int, tp: int) -> list[str]:

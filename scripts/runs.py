@@ -1,16 +1,10 @@
-"""Launch torchtitan runs through scripts/train.sh and read their logs.
+"""Launch torchtitan runs through scripts/train.sh, for scripts/scale_runs.py and
+scripts/reshard_runs.py (their logs are read by ``titan_lowbit.run_logs``).
 
-Shared by scripts/scale_runs.py and scripts/reshard_runs.py:
-
-- :func:`launch` runs ``scripts/train.sh CONFIG overrides`` on ``nproc`` GPUs (the first
-  ``nproc`` visible ones) or, with no GPU, on ``nproc`` gloo CPU processes; every rank's
-  output is kept (``LOG_RANK``), written to a log file as it comes, and the run is
-  stopped after ``timeout`` seconds;
-- :func:`step_losses` reads the loss of every training step, as printed;
-- :func:`parse_log` reads torchtitan 0.2.2's per-step metrics line
-  (``step: N  loss: L  grad_norm: G  memory: X GiB(Y%)  tps: T ...``, from
-  ``torchtitan/components/metrics.py``), per rank;
-- :func:`summarize` turns it into steady-state figures.
+:func:`launch` runs ``scripts/train.sh CONFIG overrides`` on ``nproc`` GPUs (the first
+``nproc`` visible ones) or, with no GPU, on ``nproc`` gloo CPU processes; every rank's
+output is kept (``LOG_RANK``), written to a log file as it comes, and the run is stopped
+after ``timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -20,78 +14,20 @@ import platform
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from titan_lowbit.run_logs import ANSI
+
 ROOT = Path(__file__).resolve().parents[1]
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
-RANK = re.compile(r"^\[(?:rank|default)(\d+)\]:")
 PREFIXES = re.compile(r"^(?:\[(?:rank|default)\d+\]:)+")
-STEP = re.compile(
-    r"\bstep:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>\S+)\s+grad_norm:\s*(?P<grad_norm>\S+)\s+"
-    r"memory:\s*(?P<gib>[0-9.]+)GiB\((?P<pct>[0-9.]+)%\)\s+tps:\s*(?P<tps>[0-9,]+)"
-)
-# The loss of a training step as torchtitan prints it, in any log format (colors off).
-STEP_LOSS = re.compile(r"\bstep:\s*(\d+)\s+loss:\s*(-?[0-9.]+|nan|inf)")
 ERROR = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b.*:")
 # Children on GPUs: NVLink SHARP (NVLS) and symmetric-memory multicast stay off, as the
 # lent machines require.
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-
-
-def step_losses(text: str) -> dict[int, str]:
-    """{step: loss as printed} for the training steps torchtitan logged (not validation).
-    Used by the tests and by scripts/convergence.py, which compare losses exactly."""
-    losses = {}
-    for line in text.splitlines():
-        if "validate" in line:
-            continue
-        if m := STEP_LOSS.search(line):
-            losses[int(m.group(1))] = m.group(2)
-    return losses
-
-
-def parse_log(text: str) -> dict[int, dict[int, dict[str, float]]]:
-    """{rank: {step: {loss, grad_norm, gib, pct, tps}}} from torchtitan's training-step
-    lines (validation lines are skipped). Lines without a ``[rankN]:`` prefix count as
-    rank 0."""
-    ranks: dict[int, dict[int, dict[str, float]]] = {}
-    for line in text.splitlines():
-        line = ANSI.sub("", line)
-        if "validate step" in line or not (m := STEP.search(line)):
-            continue
-        r = RANK.match(line)
-        rank = int(r.group(1)) if r else 0
-        ranks.setdefault(rank, {})[int(m["step"])] = {
-            "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
-            "gib": float(m["gib"]), "pct": float(m["pct"]),
-            "tps": float(m["tps"].replace(",", "")),
-        }
-    return ranks
-
-
-def summarize(ranks: dict[int, dict[int, dict[str, float]]], warmup: int) -> dict | None:
-    """Steady-state figures of one run: median tokens/s per GPU of rank 0's steps after
-    the first ``warmup`` (torchtitan's tps is already per device), the peak reserved
-    memory over every step and rank, and rank 0's last loss. None without any step."""
-    if not ranks:
-        return None
-    first = ranks[min(ranks)]
-    steps = sorted(first)
-    steady = [first[s]["tps"] for s in steps if s > warmup] or [first[steps[-1]]["tps"]]
-    peak = max((m for r in ranks.values() for m in r.values()),
-               key=lambda m: (m["gib"], m["pct"]))
-    return {
-        "steps": len(steps), "last_step": steps[-1],
-        "tps": statistics.median(steady), "tps_steps": len(steady),
-        "peak_gib": peak["gib"], "peak_pct": peak["pct"],
-        "loss": first[steps[-1]]["loss"],
-        "losses": {s: first[s]["loss"] for s in steps},
-    }
 
 
 def gpu_count() -> int:

@@ -27,12 +27,11 @@ import argparse
 import datetime
 import json
 import shlex
-import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runs import ROOT, Budget, gpu_count, launch, parse_log, summarize, versions  # noqa: E402
+from runs import ROOT, Budget, gpu_count, launch, versions  # scripts/runs.py, beside this file
+from titan_lowbit.run_logs import merge_rounds, parse_log, scale_table, summarize
 
 try:
     import tomllib
@@ -63,49 +62,6 @@ def describe(name: str, config: dict) -> dict[str, str]:
     if converters is None:
         converters = ",".join(config.get("model", {}).get("converters", [])) or "none"
     return {"optimizer": optimizer, "weights": weights, "converters": converters}
-
-
-def merge_rounds(name: str, runs: list[dict], base: dict) -> dict:
-    """One row per variant from its rounds: median tokens/s over the rounds that finished,
-    peak memory over all of them, the first finished round's losses; a failure when no
-    round finished (the first failure's text), a note when some did not."""
-    done = [r for r in runs if r.get("tps")]
-    seconds = round(sum(r.get("seconds", 0) for r in runs), 1)  # all rounds
-    if not done:
-        return {"variant": name, **base, "seconds": seconds, "failure": runs[0]["failure"]}
-    row = {"variant": name, **base, **done[0], "seconds": seconds,
-           "tps": statistics.median(r["tps"] for r in done),
-           "tps_rounds": [r.get("tps") for r in runs]}
-    row["peak_gib"], row["peak_pct"] = max((r["peak_gib"], r["peak_pct"]) for r in done)
-    if failed := [r["failure"].splitlines()[0] for r in runs if not r.get("tps")]:
-        row["failed_rounds"] = failed
-    return row
-
-
-def table(rows: list[dict], header: list[str]) -> str:
-    lines = [
-        "| variant | GPUs | mesh | optimizer | weights / update | converters "
-        "| peak GiB per GPU | tokens/s per GPU | vs fp32 AdamW | final loss |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    base = next((r for r in rows if r["variant"] == "fp32" and r.get("tps")), None)
-    for r in rows:
-        head = (f"| {r['variant']} | {r['ngpu']} | {r['mesh']} | {r['optimizer']} "
-                f"| {r['weights']} | {r['converters']} ")
-        if not r.get("tps"):
-            tail = r["failure"].replace("|", "\\|").replace("\n", "<br>")
-            lines.append(head + f"| failed | | | `{tail}` |")
-            continue
-        ratio = ""
-        if base is not None:
-            ratio = (f"memory {r['peak_gib'] / base['peak_gib']:.2f}x, "
-                     f"tokens/s {r['tps'] / base['tps']:.3f}x")
-        tps = f"{r['tps']:,.0f}"
-        if len(r.get("tps_rounds", [])) > 1:
-            tps += " (" + ", ".join(f"{t:,.0f}" if t else "failed" for t in r["tps_rounds"]) + ")"
-        lines.append(head + f"| {r['peak_gib']:.2f} ({r['peak_pct']:.1f}%) | {tps} "
-                            f"| {ratio} | {r['loss']:.4f} |")
-    return "\n".join(header + [""] + lines) + "\n"
 
 
 def run_variant(name: str, tag: str, args, extra: list[str], gpus: int, budget: Budget) -> dict:
@@ -189,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"scale_runs: {tag}: {status} ({row.get('seconds', 0):.0f} s)", flush=True)
             rows = [merge_rounds(n, runs[n], bases[n]) for n in names if runs[n]]
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(table(rows, header))
+            out.write_text(scale_table(rows, header))
             out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
     print(out.read_text())
     return 0 if all(r.get("tps") for rs in runs.values() for r in rs) else 1

@@ -3,7 +3,8 @@
 #
 #   scripts/train.sh CONFIG.toml [torchtitan overrides, e.g. --optimizer.name AdamW8bit]
 #
-# - prepares the offline tokenizer and dataset (scripts/prepare_data.py) if missing;
+# - prepares the offline tokenizer and dataset if missing (python -m titan_lowbit.prepare_data,
+#   into $TITAN_LOWBIT_DATA, else ~/.cache/titan_lowbit/lowbit_text);
 # - with GPUs: torchrun with one process per GPU (NGPU=N to use fewer);
 # - without: NPROC (default 2) CPU processes on the gloo backend, running the real
 #   torchtitan Trainer through titan_lowbit's CPU device path.
@@ -19,10 +20,13 @@ fi
 config=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
 shift
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$root"   # relative paths in the configs (assets/, outputs/) are from the repository root
+# Relative paths in the configs (dump_folder = "./outputs/...") are from the repository
+# root. Run from there, `python -m` finds this clone's titan_lowbit first (whole: its
+# kernels are the symlink titan_lowbit/kernels), also beside a non-editable install.
+cd "$root"
 python=${PYTHON:-python3}
 
-"$python" scripts/prepare_data.py --if-missing
+"$python" -m titan_lowbit.prepare_data --if-missing
 
 ngpu=0
 if [ "${TITAN_LOWBIT_DEVICE:-auto}" != "cpu" ]; then

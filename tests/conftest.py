@@ -12,23 +12,37 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
-import pytest
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+# Everything the session writes to the system temp folder (pytest's tmp_path folders,
+# Inductor's cache, torchrun's logs, the fork launcher's rank logs, in this process and in
+# every process it starts) goes into one folder, removed when the session passes
+# (pytest_sessionfinish below). Set before torch is imported: Inductor fixes its cache
+# folder from the temp folder when it loads.
+SESSION_TMP = Path(tempfile.mkdtemp(prefix="titan_lowbit_tests_"))
+os.environ["TMPDIR"] = str(SESSION_TMP)
+tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = ROOT / "train_configs" / "llama3_debug.toml"
+# The tests' corpus lives in the clone (assets/ is git-ignored), not in the user's cache,
+# for this process and every run it starts.
+DATA = ROOT / "assets" / "lowbit_text"
+os.environ["TITAN_LOWBIT_DATA"] = str(DATA)
+PREPARE_DATA = [sys.executable, "-m", "titan_lowbit.prepare_data"]
 
-sys.path.insert(0, str(ROOT / "scripts"))
-from runs import resume_dump, step_losses  # noqa: E402,F401  (tests import step_losses from here)
 from fork_launcher import Launcher, free_port  # noqa: E402
+from titan_lowbit.run_logs import step_losses  # noqa: E402,F401  (tests import step_losses from here)
 
 
 # gloo's teardown (torch 2.13, CPU) now and then aborts one rank at exit with SIGABRT,
@@ -37,7 +51,7 @@ from fork_launcher import Launcher, free_port  # noqa: E402
 # in torch's C++ teardown, not in the work a test checks, so a run that failed only that
 # way, after rank 0 had finished training, is run once more from the same starting files.
 # Anything else (an error, a hang, an abort before training finished, a second abort)
-# fails the test as before.
+# fails the test.
 TRAINING_FINISHED = "Sleeping 2 seconds for other ranks to complete"  # rank 0, after its last step
 _ROOT_CAUSE_SIGABRT = re.compile(r"Root Cause \(first observed failure\):\s*\n.*?exitcode\s*:\s*-6\b",
                                  re.S)
@@ -107,6 +121,22 @@ def fork_launcher(env: dict[str, str]) -> Launcher | None:
     return _launcher if _launcher.can_run(env) else None
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the fork server, then remove the session's temp folder (SESSION_TMP) unless a
+    test failed: then it stays, for a look at the failed tests' files, and the summary
+    says where."""
+    if _launcher is not None:
+        _launcher.close()
+    if exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        shutil.rmtree(SESSION_TMP, ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus):
+    if SESSION_TMP.exists():
+        terminalreporter.write_line(f"this session's temporary files are kept in {SESSION_TMP} "
+                                    "(a test failed); delete the folder when done")
+
+
 def torchrun(target: list[str], nproc: int, env: dict[str, str], timeout: int,
              finished: str = TRAINING_FINISHED, before_retry=None) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc_per_node=nproc *target`` from the repository root
@@ -160,8 +190,8 @@ def run_train(*overrides: str, config: Path = DEBUG_CONFIG, nproc: int = 2, time
     forked = fork_launcher(env) if launcher == "any" else None
     if forked is not None:
         # what train.sh does before it starts torchrun
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"),
-                        "--if-missing"], cwd=ROOT, check=True, capture_output=True)
+        subprocess.run([*PREPARE_DATA, "--if-missing"], cwd=ROOT, check=True,
+                       capture_output=True)
         target = ["-m", "torchtitan.train", "--job.config_file", str(config),
                   "--metrics.disable_color_printing", *overrides]
         what = f"(forked) {' '.join(target)}"
@@ -205,16 +235,20 @@ def two_process_checkpoint(tmp_path_factory, prepared_data):
 
 
 def resume_folder(tmp_path, checkpoint_dir):
-    """A new dump folder whose only checkpoint is ``checkpoint_dir/step-SAVE_STEP``."""
-    return resume_dump(tmp_path / "resumed", checkpoint_dir.parent, SAVE_STEP)
+    """A new dump folder whose only checkpoint is ``checkpoint_dir/step-SAVE_STEP`` (a
+    link), so torchtitan resumes from it and writes its own checkpoints beside it."""
+    dump = tmp_path / "resumed"
+    (dump / "checkpoint").mkdir(parents=True)
+    os.symlink((checkpoint_dir / f"step-{SAVE_STEP}").resolve(),
+               dump / "checkpoint" / f"step-{SAVE_STEP}")
+    return dump
 
 
 @pytest.fixture(scope="session")
 def prepared_data() -> Path:
     """The offline corpus, prepared once (train.sh would do the same on first use)."""
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--if-missing"],
-                   cwd=ROOT, check=True)
-    return ROOT / "assets" / "lowbit_text"
+    subprocess.run([*PREPARE_DATA, "--if-missing"], cwd=ROOT, check=True)
+    return DATA
 
 
 def _gloo_worker(rank: int, world: int, port: int, scenarios, out_path: str) -> None:

@@ -10,8 +10,13 @@ RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and MAST
 set, the working directory, and ``python -m MODULE ARGV`` (or a script path) run as
 ``__main__``. Its output is reported as torchrun's ``--local-ranks-filter 0 --tee 3``
 shows it: rank 0's stdout and stderr, each line prefixed ``[rank0]:``. As under torchrun,
-the first rank that fails ends the others (SIGTERM, then SIGKILL), the launch returns 1,
-and a report names that rank and its exit code or signal, with the tail of its stderr.
+the first failure ends the others (SIGTERM, then SIGKILL), the launch returns 1, and a
+report names the rank that failed first, its exit code or signal, with the tail of its
+stderr. "First" is by time, as torchrun's error files decide it: a rank that ends with an
+exception records when it caught it, a rank ended by a signal counts from when the server
+saw it exit (at once: the server waits on each rank's pidfd). A rank that fails because a
+peer died (gloo's "connection closed") fails after that peer, so the rank whose error
+started the failure is named, whichever exit the server happens to reap first.
 
 The server never runs torch work itself, so nothing is forked mid-computation: no thread
 pool of OpenMP, gloo or Triton exists in it yet. Variables read at import
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -43,7 +49,8 @@ PER_RUN = frozenset({"NPROC", "PYTHON", "PYTEST_CURRENT_TEST"})
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                   "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
                   "MASTER_ADDR", "MASTER_PORT")
-PRELOAD = ("torch", "torch.distributed.checkpoint", "torchtitan.train", "titan_lowbit")
+PRELOAD = ("torch", "torch.distributed.checkpoint", "torchtitan.train",
+           "titan_lowbit.torchtitan")
 GRACE_S = 10.0  # after SIGTERM, before SIGKILL
 _REPLIES_FD = -1  # the server's reply pipe; a forked rank closes its copy
 
@@ -117,7 +124,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(target: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> int:
+def _record_failure(path: str) -> None:
+    """When this rank failed (the system-wide monotonic clock the server reads too)."""
+    with open(path, "w") as f:
+        f.write(repr(time.monotonic()))
+
+
+def _rank_main(target: list[str], env: dict[str, str], cwd: str, out: str, err: str,
+               failed: str) -> int:
     """Body of a forked rank: returns its exit status (never returns to the server loop)."""
     os.close(_REPLIES_FD)
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -153,12 +167,19 @@ def _rank_main(target: list[str], env: dict[str, str], cwd: str, out: str, err: 
             runpy.run_path(target[0], run_name="__main__")
     except SystemExit as e:
         status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if status != 0:
+            _record_failure(failed)
         if not isinstance(e.code, int) and e.code is not None:
             print(e.code, file=sys.stderr)
     except BaseException:
+        _record_failure(failed)
         traceback.print_exc()
         status = 1
     return status
+
+
+def _succeeded(status: int) -> bool:
+    return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
 
 
 def _describe(status: int) -> str:
@@ -170,6 +191,42 @@ def _describe(status: int) -> str:
 
 def _prefixed(text: str, rank: int) -> str:
     return "".join(f"[rank{rank}]:{line}" for line in text.splitlines(keepends=True))
+
+
+class _Exits:
+    """Reaps the ranks as they exit and says when each did: woken by each rank's pidfd
+    where the system has them (Linux), else by polling every 20 ms."""
+
+    def __init__(self, pids: dict[int, int]):
+        self.fds: dict[int, int] = {}
+        self.poll = None
+        if hasattr(os, "pidfd_open"):
+            self.poll = select.poll()
+            for pid in pids:
+                fd = os.pidfd_open(pid)
+                self.fds[fd] = pid
+                self.poll.register(fd, select.POLLIN)
+
+    def wait(self, seconds: float) -> list[tuple[int, int, float]]:
+        """(pid, status, time) of the ranks that exited, waiting up to ``seconds``."""
+        if self.poll is None:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                time.sleep(min(seconds, 0.02))
+                return []
+            return [(pid, status, time.monotonic())]
+        done = []
+        for fd, _ in self.poll.poll(max(1, int(seconds * 1000))):
+            at = time.monotonic()
+            pid = self.fds.pop(fd)
+            self.poll.unregister(fd)
+            os.close(fd)
+            done.append((pid, os.waitpid(pid, 0)[1], at))
+        return done
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
 
 
 def _run(request: dict) -> dict:
@@ -190,7 +247,8 @@ def _run(request: dict) -> dict:
             status = 1
             try:
                 status = _rank_main(request["target"], env, request["cwd"],
-                                    f"{logs}/{rank}.out", f"{logs}/{rank}.err")
+                                    f"{logs}/{rank}.out", f"{logs}/{rank}.err",
+                                    f"{logs}/{rank}.failed")
             finally:
                 # Flush what the rank printed, then leave without the server's exit path
                 # (its atexit handlers and the pipes to pytest belong to the server).
@@ -203,6 +261,7 @@ def _run(request: dict) -> dict:
         pids[pid] = rank
 
     statuses: dict[int, int] = {}
+    ended: dict[int, float] = {}  # when the server saw each rank exit
 
     def signal_running(sig: int) -> None:
         for p, r in pids.items():
@@ -212,27 +271,37 @@ def _run(request: dict) -> dict:
                 except ProcessLookupError:
                     pass
 
-    first_failure, timed_out, kill_at = None, False, None
+    failed, timed_out, kill_at = False, False, None
     deadline = time.monotonic() + timeout
+    exits = _Exits(pids)
     while len(statuses) < nproc:
-        pid, status = os.waitpid(-1, os.WNOHANG)
+        wake = min(deadline, kill_at or deadline)
+        for pid, status, at in exits.wait(max(0.0, wake - time.monotonic())):
+            rank = pids[pid]
+            statuses[rank], ended[rank] = status, at
+            if not _succeeded(status) and not failed and not timed_out:
+                failed = True  # torchrun's agent stops the other workers likewise
+                signal_running(signal.SIGTERM)
+                kill_at = at + GRACE_S
         now = time.monotonic()
-        if pid == 0:
-            if not timed_out and now > deadline:
-                timed_out = True
-                signal_running(signal.SIGKILL)
-            elif kill_at is not None and now > kill_at:
-                signal_running(signal.SIGKILL)
-                kill_at = None
-            time.sleep(0.02)
-            continue
-        rank = pids[pid]
-        statuses[rank] = status
-        failed = not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0)
-        if failed and first_failure is None and not timed_out:
-            first_failure = rank  # torchrun's agent stops the other workers likewise
-            signal_running(signal.SIGTERM)
-            kill_at = now + GRACE_S
+        if not timed_out and now > deadline:
+            timed_out = True
+            signal_running(signal.SIGKILL)
+        elif kill_at is not None and now > kill_at:
+            signal_running(signal.SIGKILL)
+            kill_at = None
+    exits.close()
+
+    def failed_at(rank: int) -> float:
+        try:
+            return float(Path(f"{logs}/{rank}.failed").read_text())
+        except (FileNotFoundError, ValueError):
+            return ended[rank]
+
+    failures = [rank for rank, status in statuses.items() if not _succeeded(status)]
+    first_failure = None
+    if failures and not timed_out:
+        first_failure = min(failures, key=lambda r: (failed_at(r), r))
 
     def read(rank: int, stream: str) -> str:
         try:
@@ -251,7 +320,7 @@ def _run(request: dict) -> dict:
                    f"  {_describe(statuses[first_failure])}\n"
                    f"  stderr tail of rank {first_failure}:\n{tail}")
     for rank in range(nproc):
-        for stream in ("out", "err"):
+        for stream in ("out", "err", "failed"):
             Path(f"{logs}/{rank}.{stream}").unlink(missing_ok=True)
     os.rmdir(logs)
     return {"returncode": returncode, "stdout": stdout, "stderr": stderr,

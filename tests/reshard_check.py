@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.tensor import DTensor
 
-import titan_lowbit  # noqa: F401  (what custom_import does inside the Trainer)
+import titan_lowbit.torchtitan  # noqa: F401  (what custom_import does inside the Trainer)
 from torchtitan.config import ConfigManager
 from torchtitan.train import Trainer
 

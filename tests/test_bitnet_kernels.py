@@ -391,7 +391,7 @@ def test_bitnet_linear_on_device_matches_reference_math():
     dy = torch.randn(m, n, device=DEVICE, dtype=torch.bfloat16)
     y = F.linear(x, weight)
     y.backward(dy)
-    if DEVICE == "cuda":  # again, every kernel now launched from the compiled-kernel cache
+    if DEVICE == "cuda":  # again, every kernel launched from the compiled-kernel cache this time
         grads = x.grad, weight.grad
         x.grad = weight.grad = None
         y2 = F.linear(x, weight)

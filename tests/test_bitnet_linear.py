@@ -45,7 +45,7 @@ def _ste_reference(model, x, int8_backward):
         return (q.float() * s[:, None]).view_as(t)
 
     # int8 backward: layer 2's grad_input is Q(dy) W^ (dy row-quantized); every dW is
-    # dy^T x^ as before, so layer 0's dW and db follow from that grad_input exactly.
+    # dy^T x^ (not quantized), so layer 0's dW and db follow from that grad_input exactly.
     dy = 2 * y.detach()
     q, s = bq.quantize_rows_reference(dy.reshape(-1, 40))
     g2 = bq.absmean_scale_reference(w2.detach())

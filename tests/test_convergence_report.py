@@ -1,13 +1,12 @@
-"""scripts/convergence.py's bookkeeping: run folders and result keys with and without a
-seed, results read back from saved logs and JSON, and the report's per-seed gaps."""
+"""scripts/convergence.py's report from earlier runs (``--from-dump``, ``--from-json``), run
+as a user runs it: run folders with and without a seed, results read back from saved logs
+and JSON, and the report's per-seed gaps."""
 
 import json
+import subprocess
 import sys
 
 from conftest import ROOT
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import convergence as conv  # noqa: E402
 
 STEPS = 3
 
@@ -22,36 +21,47 @@ def _log(losses, val):
     return "\n".join(lines) + "\n"
 
 
-def test_run_folders_round_trip_with_and_without_seed():
-    for lr, seed in ((1e-5, None), (3e-3, 2), (1e-5, 11)):
-        name = conv.run_dir_name(lr, seed, "AdamW", "bfloat16", "kahan")
-        assert conv._split_run_dir(name) == (f"{lr:g}", seed, "AdamW", "bfloat16", "kahan")
-        key = (lr, "bf16 weights, kahan", seed)
-        assert conv._parse_key(conv._key_str(*key)) == key
-    # Folders and keys of runs made before seeds existed still read.
-    assert conv._split_run_dir("1e-05-AdamW8bit-auto-nearest") == ("1e-05", None, "AdamW8bit", "auto", "nearest")
-    assert conv._parse_key("0.003|AdamW8bit") == (0.003, "AdamW8bit", None)
+def _report(out, *args) -> tuple[str, dict]:
+    """convergence.md and convergence.json of a report from earlier runs. Without
+    matplotlib the script writes both and then stops, naming it, instead of the PNG."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "convergence.py"),
+                           "--steps", str(STEPS), "--out", str(out), *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 or "needs matplotlib" in proc.stderr, proc.stderr[-3000:]
+    return (out / "convergence.md").read_text(), json.loads((out / "convergence.json").read_text())
 
 
 def test_report_gives_each_seed_gap_and_their_mean(tmp_path):
     dump = tmp_path / "dump"
-    vals = {("AdamW", "auto", "nearest"): {0: 6.0, 1: 5.0},
-            ("AdamW8bit", "auto", "nearest"): {0: 6.06, 1: 4.90}}
-    for (name, dtype, update), per_seed in vals.items():
-        for seed, val in per_seed.items():
-            run = dump / conv.run_dir_name(0.003, seed, name, dtype, update)
-            run.mkdir(parents=True)
-            (run / "train.log").write_text(_log([8.0, 7.0, 6.5 + seed], val))
-    results = conv.load_saved([], [dump], STEPS)
-    assert set(results) == {(0.003, label, s) for label in ("fp32 AdamW (torch)", "AdamW8bit")
-                            for s in (0, 1)}
-    assert results[(0.003, "AdamW8bit", 1)]["final_val"] == 4.90
-    conv.write_report(results, [0.003], STEPS, ["--seeds", "0,1"], tmp_path)
-    text = (tmp_path / "convergence.md").read_text()
-    row = next(l for l in text.splitlines() if l.startswith("| AdamW8bit |"))
+    # Run folders as convergence.py names them: lr, the seed when one was given, then the
+    # variant; the lr itself may hold a '-'.
+    runs = {"0.003-seed0-AdamW-auto-nearest": 6.0, "0.003-seed1-AdamW-auto-nearest": 5.0,
+            "0.003-seed0-AdamW8bit-auto-nearest": 6.06, "0.003-seed1-AdamW8bit-auto-nearest": 4.90,
+            "1e-05-AdamW-auto-nearest": 7.0, "1e-05-AdamW-bfloat16-kahan": 7.7}
+    for name, val in runs.items():
+        (dump / name).mkdir(parents=True)
+        seed = 1 if "seed1" in name else 0
+        (dump / name / "train.log").write_text(_log([8.0, 7.0, 6.5 + seed], val))
+    text, saved = _report(tmp_path / "out", "--seeds", "0,1", "--from-dump", dump)
+    assert set(saved) == {"0.003|fp32 AdamW (torch)|0", "0.003|fp32 AdamW (torch)|1",
+                          "0.003|AdamW8bit|0", "0.003|AdamW8bit|1",
+                          "1e-05|fp32 AdamW (torch)", "1e-05|bf16 weights, kahan"}, saved
+    assert saved["0.003|AdamW8bit|1"]["final_val"] == 4.90
+    lr3 = text.split("## lr 1e-05")[0]
+    row = next(l for l in lr3.splitlines() if l.startswith("| AdamW8bit |"))
     # seed 0: +1.00%, seed 1: -2.00%, mean -0.50%; validation loss the mean 5.48
     assert row == "| AdamW8bit | 7.0000 | 5.4800 | -0.50% | +1.00%, -2.00% |", row
-    assert "| AdamW4bit | not measured | not measured | | |" in text
-    # The JSON keeps every seed's figures and reads back as the same results.
-    saved = json.loads((tmp_path / "convergence.json").read_text())
-    assert saved["0.003|AdamW8bit|1"]["final_val"] == 4.90
+    assert "| AdamW4bit | not measured | not measured | | |" in lr3
+    assert "| bf16 weights, kahan | 6.5000 | 7.7000 | +10.00% |" in text.split("## lr 1e-05")[1]
+
+
+def test_report_reads_the_runs_json_with_and_without_seeds(tmp_path):
+    train = {"1": 8.0, "2": 7.0, "3": 6.0}
+    runs = {"0.003|fp32 AdamW (torch)": {"train": train, "final_train": 6.0, "final_val": 5.0},
+            "0.003|AdamW8bit": {"train": train, "final_train": 6.0, "final_val": 5.5},
+            "0.003|AdamW4bit|2": {"train": train, "final_train": 6.0, "final_val": 5.5}}
+    path = tmp_path / "convergence_runs.json"
+    path.write_text(json.dumps(runs))
+    text, saved = _report(tmp_path / "out", "--from-json", path)
+    assert set(saved) == set(runs), saved
+    assert "| AdamW8bit | 6.0000 | 5.5000 | +10.00% |" in text, text

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-import titan_lowbit  # noqa: F401  (registers everything, as custom_import does)
-from conftest import ROOT, DEBUG_CONFIG, run_train, step_losses
+import titan_lowbit.torchtitan  # noqa: F401  (registers everything, as custom_import does)
+from conftest import PREPARE_DATA, ROOT, DEBUG_CONFIG, run_train, step_losses
 from torchtitan.config import ConfigManager
 
 
@@ -32,7 +32,20 @@ def test_lowbit_section_defaults_and_overrides():
     assert cfg.lowbit.block_size == 64
     assert cfg.lowbit.weight_dtype == "auto"
     assert cfg.lowbit.bitnet_filter == ["output"]
-    assert cfg.experimental.custom_import == "titan_lowbit"
+    assert cfg.experimental.custom_import == "titan_lowbit.torchtitan"
+
+
+@pytest.mark.parametrize("where", ["toml", "command line"])
+def test_old_custom_import_names_the_key_and_the_module(tmp_path, where):
+    toml = '[job]\ncustom_config_module = "titan_lowbit.config"\n'
+    args = ("--experimental.custom_import", "titan_lowbit")
+    if where == "toml":
+        toml, args = toml + '[experimental]\ncustom_import = "titan_lowbit"\n', ()
+    with pytest.raises(ValueError) as err:
+        parse(*args, toml=toml, tmp_path=tmp_path)
+    msg = str(err.value)
+    assert '[experimental] custom_import = "titan_lowbit"' in msg
+    assert 'custom_import = "titan_lowbit.torchtitan"' in msg
 
 
 def test_unknown_lowbit_key_names_key_and_valid_keys(tmp_path):
@@ -170,8 +183,7 @@ def _corpus(tmp_path):
 
 
 def _prepare(*args):
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), *args],
-                          capture_output=True, text=True)
+    return subprocess.run([*PREPARE_DATA, *args], cwd=ROOT, capture_output=True, text=True)
 
 
 def test_prepare_data_is_deterministic_with_disjoint_splits(tmp_path):
@@ -212,6 +224,50 @@ def test_prepare_data_missing_corpus_is_a_clear_error(tmp_path):
     assert proc.returncode != 0
     assert "--corpus" in proc.stderr and "nope" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_missing_split_names_the_key_that_chose_its_folder(tmp_path, monkeypatch):
+    """[training] dataset_path set, [validation] dataset_path not: the validation split is
+    read from the default data folder, and the error says that key is the one to set."""
+    from titan_lowbit.datasets import DATASET_CONFIGS
+
+    load = DATASET_CONFIGS["lowbit_text_validation"].loader
+    monkeypatch.setenv("TITAN_LOWBIT_DATA", str(tmp_path / "default"))
+    with pytest.raises(FileNotFoundError) as err:
+        load(str(tmp_path / "default"))
+    msg = str(err.value)
+    assert "[validation] dataset_path is not set" in msg and "[training]" not in msg
+    assert str(tmp_path / "default") in msg and "`python -m titan_lowbit.prepare_data`" in msg
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "train.jsonl").write_text('{"text": "a"}\n')
+    with pytest.raises(FileNotFoundError) as err:
+        load(str(tmp_path / "mine"))
+    msg = str(err.value)
+    assert f"[validation] dataset_path = '{tmp_path / 'mine'}'" in msg
+    assert f"`python -m titan_lowbit.prepare_data --out {tmp_path / 'mine'}`" in msg
+
+
+def test_tokenizer_comes_from_the_corpus_unless_the_config_names_one(tmp_path):
+    from titan_lowbit.datasets import resolve_tokenizer
+
+    (tmp_path / "data" / "tokenizer").mkdir(parents=True)
+    (tmp_path / "data" / "tokenizer" / "tokenizer.json").write_text("{}")
+    base = ["--job.config_file", str(DEBUG_CONFIG), "--training.dataset_path",
+            str(tmp_path / "data")]
+    cfg = parse(*base)
+    resolve_tokenizer(cfg)
+    assert cfg.model.hf_assets_path == str(tmp_path / "data" / "tokenizer")
+    cfg = parse(*base, "--model.hf_assets_path", "my/tokenizer")
+    resolve_tokenizer(cfg)
+    assert cfg.model.hf_assets_path == "my/tokenizer"
+    cfg = parse(*base, "--training.dataset", "c4_test")
+    resolve_tokenizer(cfg)
+    assert cfg.model.hf_assets_path == "./tests/assets/tokenizer"  # torchtitan's default
+    cfg = parse("--job.config_file", str(DEBUG_CONFIG), "--training.dataset_path",
+                str(tmp_path / "none"))
+    with pytest.raises(FileNotFoundError, match=r"\[training\] dataset_path = .*--out"):
+        resolve_tokenizer(cfg)
 
 
 # ---- bad input stops the real launcher before training ---------------------------------

@@ -79,6 +79,8 @@ def _make(cfg, shape, gen, small_block_quant=True, sr_dense=False, spread=0.0, s
         extra = p.float() + torch.randn(shape, generator=gen) * 1e-3
     elif cfg.param_dtype == torch.bfloat16 and cfg.weight_update == K.UPDATE_KAHAN:
         extra = (torch.randn(shape, generator=gen) * 1e-3).to(torch.bfloat16)
+    elif cfg.param_dtype == torch.bfloat16 and cfg.weight_update == K.UPDATE_MASTER_REMAINDER:
+        extra = torch.randint(-(2**15), 2**15, shape, generator=gen, dtype=torch.int16)
     mv = lambda x: None if x is None else x.to(DEV)  # noqa: E731
     stride = cols if sr_dense else cols + 3
     # sr_below_2_32: the tensor's last global index is 2**32 - 1 (the kernel's 32-bit
@@ -205,7 +207,11 @@ def _assert_matches_reference(cfg, ts, ref, label):
             # one bf16 ulp (stochastic: the random bits are the same, the sum may differ by 1 ulp of fp32)
             tol = 1e-5 if pdtype == torch.float32 else 8e-3
             torch.testing.assert_close(a.param.float(), b.param.float(), rtol=tol, atol=1e-6, msg=where)
-            if a.extra is not None:
+            if a.extra is not None and a.extra.dtype == torch.int16:  # remainders: the masters they rebuild
+                torch.testing.assert_close(R.master_rebuild(a.param.cpu(), a.extra.cpu()),
+                                           R.master_rebuild(b.param.cpu(), b.extra.cpu()), rtol=1e-5, atol=1e-6,
+                                           msg=where)
+            elif a.extra is not None:
                 torch.testing.assert_close(a.extra.float(), b.extra.float(), rtol=1e-2, atol=1e-5, msg=where)
 
 
@@ -544,7 +550,7 @@ def test_triton_scratch_stays_below_the_shared_memory_tables():
     the gap below them, or it would overwrite them between reads. Compiles every family
     for sm_90 (no GPU needed) with the installed triton and checks."""
     env = dict(os.environ, TRITON_INTERPRET="0")
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "sass_count.py")
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "sass_count.py")
     proc = subprocess.run([sys.executable, script, "--check-scratch"], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

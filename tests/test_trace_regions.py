@@ -1,21 +1,29 @@
-"""scripts/trace_regions.py and scripts/trace_kernels.py on small synthetic Chrome traces."""
+"""tools/trace_regions.py and tools/trace_kernels.py on small synthetic Chrome traces, run
+as a user runs them (times in the traces are microseconds; the tools print milliseconds)."""
 
 import json
+import subprocess
 import sys
 
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "scripts"))
-from trace_regions import host_events_of_last_step, load_events, region_summary  # noqa: E402
+MS = 1000  # one millisecond in the trace's microseconds
 
 
 def _x(name, ts, dur, tid=1, cat="cpu_op"):
-    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 0, "cat": cat}
+    return {"ph": "X", "name": name, "ts": ts * MS, "dur": dur * MS, "tid": tid, "pid": 0, "cat": cat}
+
+
+def _tool(name, *args) -> list[str]:
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / name), *map(str, args)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return [" ".join(line.split()) for line in proc.stdout.splitlines()]
 
 
 def test_sums_regions_and_their_direct_children_by_family(tmp_path):
     events = [
-        _x("ProfilerStep#9", 0, 50, cat="user_annotation"),  # an earlier step: ignored
+        _x("ProfilerStep#9", 0, 50, cat="user_annotation"),  # a step before the last: ignored
         _x("FSDP::pre_forward (layers.0)", 10, 30),
         _x("ProfilerStep#10", 100, 1000, cat="user_annotation"),
         _x("FSDP::pre_forward (layers.0)", 110, 100),
@@ -29,17 +37,16 @@ def test_sums_regions_and_their_direct_children_by_family(tmp_path):
     ]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    by_thread = host_events_of_last_step(load_events(str(path)))
-    count, total, child_us, child_n = region_summary(by_thread, "FSDP::pre_forward (layers")
-    assert (count, total) == (2, 160)
-    assert child_us == {"FSDP::all_gather (layers.N)": 60, "aten::copy_": 10}
-    assert child_n["FSDP::all_gather (layers.N)"] == 2
-    assert region_summary(by_thread, "FSDP::pre_backward")[:2] == (1, 70)
+    out = _tool("trace_regions.py", path, "FSDP::pre_forward (layers", "FSDP::pre_backward")
+    assert out == [
+        "'FSDP::pre_forward (layers': 2 regions, 160.00 ms of host time",
+        "60.00 ms 2x FSDP::all_gather (layers.N)",
+        "10.00 ms 1x aten::copy_",
+        "'FSDP::pre_backward': 1 regions, 70.00 ms of host time",
+    ], out
 
 
 def test_kernel_time_by_family_and_busy_union(tmp_path):
-    from trace_kernels import kernel_summary
-
     events = [
         _x("_int8_matmul_tma_device_kernel", 0, 100, cat="kernel"),
         _x("sm90_xmma_gemm_bf16bf16_bf16f32", 50, 100, cat="kernel"),  # overlaps: busy 0-150
@@ -50,11 +57,11 @@ def test_kernel_time_by_family_and_busy_union(tmp_path):
     ]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    span, busy, us, n = kernel_summary(load_events(str(path)))
-    assert (span, busy) == (405, 150 + 30 + 10 + 5)
-    assert us["int8 matmul tma_device"] == 100 and us["cuBLAS GEMM"] == 100
-    assert us["Inductor reduction"] == 40 and n["Inductor reduction"] == 2
-    assert us["other: Memset (Device)"] == 5
-    _, _, us, n = kernel_summary(load_events(str(path)), key=str)
-    assert us["triton_red_fused_abs_amax_0"] == 30 and n["triton_per_fused_rms_norm_1"] == 1
-    assert len(us) == 5
+    out = _tool("trace_kernels.py", path)
+    assert out[0] == f"{path}: GPU busy {150 + 30 + 10 + 5:.1f} ms of 405.0 ms, 5 device events", out
+    assert sorted(out[1:]) == sorted([
+        "100.00 ms 1x int8 matmul tma_device", "100.00 ms 1x cuBLAS GEMM",
+        "40.00 ms 2x Inductor reduction", "5.00 ms 1x other: Memset (Device)"]), out
+    out = _tool("trace_kernels.py", path, "--by-kernel")
+    assert "30.00 ms 1x 30000.0 us each triton_red_fused_abs_amax_0" in out, out
+    assert len(out) == 6, out

@@ -94,11 +94,11 @@ def test_loss_falls_and_checkpoint_resumes_identically(optimizer, dtype, update,
 
 
 def test_resume_check_script(tmp_path, prepared_data):
-    """scripts/resume_check.sh (docs/training.md) on the CPU path: two steps, a checkpoint
+    """tools/resume_check.sh (docs/training.md) on the CPU path: two steps, a checkpoint
     after the first, the resumed second step equal to the uninterrupted one."""
     env = dict(os.environ, TITAN_LOWBIT_DEVICE="cpu", NPROC="2", PYTHON=sys.executable,
                STEPS="2", LOGS=str(tmp_path))
-    cmd = ["bash", str(ROOT / "scripts" / "resume_check.sh"), "sr", str(DEBUG_CONFIG),
+    cmd = ["bash", str(ROOT / "tools" / "resume_check.sh"), "sr", str(DEBUG_CONFIG),
            "--optimizer.name", "AdamW4bit", "--lowbit.weight_dtype", "bfloat16",
            "--lowbit.weight_update", "stochastic", "--validation.freq", "1000"]
     proc = run_once_more_after_teardown_abort(cmd, env, timeout=600, nproc=2)

@@ -1,26 +1,14 @@
-"""titan_lowbit: low-bit AdamW, full-BF16 weights and BitNet b1.58 for torchtitan.
+"""titan_lowbit: low-bit AdamW, full-BF16 weights and BitNet b1.58, for torchtitan and
+for any PyTorch training loop.
 
-``[experimental] custom_import = "titan_lowbit"`` imports this package inside
-torchtitan's Trainer, before the device, model and optimizer are built. Importing it:
+Importing the package does nothing beyond defining it: no torchtitan import, no
+registration, no change of device. The parts are imported by name:
 
-- switches torchtitan to the CPU device path when there is no GPU (cpu_device);
-- registers the model converters ("bitnet", ...) with clear errors for unknown names;
-- wraps every train spec so ``[optimizer] name`` reaches titan_lowbit's optimizers and
-  ``[lowbit]`` reaches the builders (train_spec, optimizer_builder);
-- adds the ``1B`` llama3 flavor and the offline ``lowbit_text`` datasets;
-- checks, before a checkpoint is loaded, that it was written with this run's optimizer
-  layout and parameter dtypes (checkpoint).
-
-``[job] custom_config_module = "titan_lowbit.config"`` adds the ``[lowbit]`` section.
+- ``titan_lowbit.optim`` (``LowBitAdamW``) and ``titan_lowbit.bitnet``
+  (``convert_to_bitnet``) need torch and triton only, and work in any loop, under plain
+  FSDP2 (``fully_shard``) and with DCP checkpoints;
+- ``titan_lowbit.torchtitan`` is the torchtitan integration, imported by torchtitan's
+  Trainer when a job file says ``[experimental] custom_import = "titan_lowbit.torchtitan"``;
+- ``titan_lowbit.config`` adds the ``[lowbit]`` section
+  (``[job] custom_config_module = "titan_lowbit.config"``).
 """
-
-from titan_lowbit import config as _config  # noqa: F401  (error messages for [lowbit])
-from titan_lowbit import checkpoint, converters, cpu_device, datasets, flavors, train_spec
-
-if cpu_device.wanted():
-    cpu_device.enable()
-converters.register()
-train_spec.register()
-flavors.register()
-datasets.register()
-checkpoint.register()

@@ -63,6 +63,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titan_lowbit.bitnet.weight import local_training_weight
+from titan_lowbit.compat import private_api_ok
 from titan_lowbit.optim.formats import STATE_FORMATS, block_of
 from titan_lowbit.optimizer_builder import is_lowbit
 
@@ -576,6 +577,11 @@ def save_atomically(save, checkpoint_id: str):
 
 
 def register() -> None:
+    """Wrap torchtitan's CheckpointManager.dcp_load, dcp_save and _find_load_step with the
+    checks above: private methods of torchtitan, so only with a tested torchtitan
+    (titan_lowbit/compat.py); otherwise torchtitan checkpoints as it does by itself."""
+    if not private_api_ok("torchtitan"):
+        return
     from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
     from torchtitan.tools.logging import logger
 

@@ -9,15 +9,25 @@ The optimizer itself is chosen by torchtitan's own ``[optimizer] name`` (``AdamW
 """
 
 
+import inspect
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import get_args, Literal
+from typing import Literal, get_args
 
+from titan_lowbit.bitnet.converter import DEFAULTS as BITNET_DEFAULTS
+from titan_lowbit.compat import private_api_ok
 # (the block rule lives with the code books, which kernels and optimizer share)
 from titan_lowbit.kernels.quant_maps import is_block_size
+from titan_lowbit.optim.adamw import NONFINITE_POLICIES as OPTIMIZER_NONFINITE_POLICIES
+from titan_lowbit.optim.adamw import WEIGHT_UPDATES as OPTIMIZER_WEIGHT_UPDATES
+from titan_lowbit.optim.adamw import LowBitAdamW
+
+# The optimizer's own defaults (LowBitAdamW's signature) are the section's.
+_OPTIMIZER_DEFAULTS = {name: p.default for name, p in inspect.signature(LowBitAdamW).parameters.items()}
 
 WeightDtype = Literal["auto", "float32", "bfloat16"]
-WeightUpdate = Literal["nearest", "stochastic", "kahan", "master"]
-NonfinitePolicy = Literal["raise", "skip"]
+WeightUpdate = Literal[tuple(OPTIMIZER_WEIGHT_UPDATES)]
+# "ignore" (no check at all) is left to LowBitAdamW's own users and benchmarks.
+NonfinitePolicy = Literal[tuple(p for p in OPTIMIZER_NONFINITE_POLICIES if p != "ignore")]
 WEIGHT_DTYPES = get_args(WeightDtype)
 WEIGHT_UPDATES = get_args(WeightUpdate)
 NONFINITE_POLICIES = get_args(NonfinitePolicy)
@@ -35,38 +45,41 @@ class LowBit:
     weight_dtype: WeightDtype = "auto"
     """dtype of the (sharded) parameters: "auto" keeps what torchtitan builds
     (training.dtype), "bfloat16" holds parameters in bf16 (full-BF16 training: no fp32
-    copy of the weights unless weight_update = "master"), "float32" insists on fp32."""
+    copy of the weights unless weight_update = "master"; "master_remainder" keeps its
+    low 16 bits), "float32" insists on fp32."""
 
-    weight_update: WeightUpdate = "nearest"
+    weight_update: WeightUpdate = _OPTIMIZER_DEFAULTS["weight_update"]
     """How the fp32 AdamW result lands in a bf16 parameter: nearest (plain cast),
     stochastic (stochastic rounding, seeded by debug.seed, step and element), kahan
-    (bf16 compensation buffer), master (fp32 master weights in the optimizer state).
+    (bf16 compensation buffer), master (fp32 master weights in the optimizer state),
+    master_remainder (the same fp32 master weights, bit for bit, kept as the bf16 weight
+    plus a 16-bit remainder in the optimizer state: 2 bytes per parameter instead of 4).
     fp32 parameters are updated exactly: a value other than nearest with every parameter
     in fp32 is refused at start-up (set weight_dtype = "bfloat16")."""
 
-    block_size: int = 0
+    block_size: int = _OPTIMIZER_DEFAULTS["block_size"]
     """Quantization block length along the last dimension; 0 = the format's default
     (8-bit: 256, 4-bit: 128, fp8: 128)."""
 
-    min_quantized_numel: int = 4096
+    min_quantized_numel: int = _OPTIMIZER_DEFAULTS["min_quantized_numel"]
     """Parameters with fewer elements keep fp32 optimizer state (norms, biases)."""
 
-    nonfinite_grad: NonfinitePolicy = "raise"
+    nonfinite_grad: NonfinitePolicy = _OPTIMIZER_DEFAULTS["nonfinite_grad"]
     """A NaN/inf gradient: "raise" (checked inside the optimizer kernels, at no cost)
     leaves the quantization blocks it hits unwritten and stops at the next optimizer step
     or checkpoint save, naming the parameter and the step; "skip" checks all gradients
     before each step (one more read of them and a host sync) and skips the whole step,
     counting it in the logs."""
 
-    bitnet_filter: list[str] = field(default_factory=lambda: ["output"])
+    bitnet_filter: list[str] = field(default_factory=lambda: list(BITNET_DEFAULTS["bitnet_filter"]))
     """Fully-qualified-name fragments of nn.Linear layers that converter "bitnet" leaves
     in high precision (default: the output head). Embeddings are never converted."""
 
-    bitnet_precompute_scale: bool = True
+    bitnet_precompute_scale: bool = BITNET_DEFAULTS["bitnet_precompute_scale"]
     """Compute every BitNet weight scale after the optimizer step with one all-reduce
     for all layers (instead of one all-reduce per layer inside the all-gather)."""
 
-    bitnet_keep_codes: bool = False
+    bitnet_keep_codes: bool = BITNET_DEFAULTS["bitnet_keep_codes"]
     """Unsharded BitNet weights (one device, no FSDP or TP) keep their ternary codes
     (and the codes transposed, for grad_input) from one optimizer step to the next,
     computed after the optimizer step, instead of quantizing each weight in every
@@ -75,11 +88,11 @@ class LowBit:
     step waits on the host, slower where it does not (measured in docs/bitnet.md, "Kept
     ternary codes"), hence off by default."""
 
-    bitnet_int8_backward: bool = True
+    bitnet_int8_backward: bool = BITNET_DEFAULTS["bitnet_int8_backward"]
     """Compute BitNet grad_input on int8 tensor cores (grad_output quantized row-wise);
     False computes it in the activation dtype."""
 
-    bitnet_persistent_rows: bool = True
+    bitnet_persistent_rows: bool = BITNET_DEFAULTS["bitnet_persistent_rows"]
     """Under compile.enable, let Inductor keep a row in registers (one read of the row)
     for the row quantizations it fuses, on rows up to 8192 elements whose inputs fit
     (titan_lowbit/bitnet/row_reductions.py); False keeps Inductor's default (rows over
@@ -139,7 +152,11 @@ def unknown_keys(cls, data: dict, section: str = "") -> list[str]:
 
 def _install_key_check() -> None:
     """Make torchtitan's TOML loader name an unknown key together with the valid ones
-    (torchtitan 0.2.x names only the unknown key). Same acceptance, better message."""
+    (torchtitan 0.2.x names only the unknown key, and tells to run a script of its own
+    repository). Same acceptance, better message. ConfigManager._dict_to_dataclass is
+    torchtitan's private method: only with a tested torchtitan (titan_lowbit/compat.py)."""
+    if not private_api_ok("torchtitan"):
+        return
     from torchtitan.config.manager import ConfigManager
 
     original = ConfigManager._dict_to_dataclass
@@ -157,7 +174,40 @@ def _install_key_check() -> None:
     ConfigManager._dict_to_dataclass = _dict_to_dataclass
 
 
+INTEGRATION_MODULE = "titan_lowbit.torchtitan"
+
+
+def check_custom_import(job_config) -> None:
+    """``custom_import = "titan_lowbit"`` imports a package that registers nothing (the
+    integration is the module INTEGRATION_MODULE): stop with the key and its value."""
+    if job_config.experimental.custom_import == "titan_lowbit":
+        raise ValueError(
+            '[experimental] custom_import = "titan_lowbit" registers nothing: the torchtitan '
+            f'integration is the module "{INTEGRATION_MODULE}"; write [experimental] '
+            f'custom_import = "{INTEGRATION_MODULE}" (or --experimental.custom_import '
+            f"{INTEGRATION_MODULE})."
+        )
+
+
+def _install_custom_import_check() -> None:
+    """Run check_custom_import on every JobConfig torchtitan parses (TOML and command
+    line), before its Trainer imports ``custom_import``."""
+    from torchtitan.config.manager import ConfigManager
+
+    original = ConfigManager._validate_config
+    if getattr(original, "titan_lowbit_checked", False):
+        return
+
+    def _validate_config(self):
+        check_custom_import(self.config)
+        return original(self)
+
+    _validate_config.titan_lowbit_checked = True
+    ConfigManager._validate_config = _validate_config
+
+
 _install_key_check()
+_install_custom_import_check()
 
 
 @dataclass

@@ -12,17 +12,21 @@ is the one place where titan_lowbit teaches torchtitan about the CPU:
   Trainer and its memory monitor make (``set_device``, ``memory_stats``, ...), answered
   for the process (peak resident memory stands in for the allocator's peak).
 
-It is switched on by :func:`enable` when ``torch.cuda.is_available()`` is false (see
-``titan_lowbit/__init__.py``), or explicitly with ``TITAN_LOWBIT_DEVICE=cpu``.
+:func:`switch` (run by ``titan_lowbit.torchtitan``, the ``custom_import`` target) turns it
+on, with one log line, when the machine has no GPU, or when ``TITAN_LOWBIT_DEVICE=cpu``
+asks for it. A machine that has NVIDIA GPUs on which CUDA does not initialise (a broken
+driver, a CPU-only torch build) gets an error instead of a run on its CPU.
 Nothing here changes any math: the model, the optimizer and FSDP2 run as they would on
 a GPU, with the pure-PyTorch reference kernels.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import platform
 import resource
+import shutil
 import sys
 from types import SimpleNamespace
 
@@ -98,16 +102,71 @@ class CpuDeviceModule:
         return None
 
 
-def wanted() -> bool:
-    """True when this process should run torchtitan on the CPU."""
+def _env_choice() -> str:
     choice = os.environ.get(_ENV, "").lower()
     if choice not in ("", "cpu", "auto", "cuda"):
         raise ValueError(f"{_ENV}={choice!r}: use 'cpu', 'cuda' or 'auto' (the default)")
+    return choice
+
+
+def gpu_signs() -> list[str]:
+    """What says this machine has NVIDIA GPUs, whatever torch thinks: device files, the
+    driver's ``nvidia-smi``, a ``CUDA_VISIBLE_DEVICES`` naming devices."""
+    signs = sorted(glob.glob("/dev/nvidia[0-9]*"))[:1]
+    if shutil.which("nvidia-smi"):
+        signs.append("nvidia-smi on PATH")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible not in (None, "", "-1"):
+        signs.append(f"CUDA_VISIBLE_DEVICES={visible}")
+    return signs
+
+
+def _cuda_failure() -> str:
+    """Why CUDA does not initialise, in torch's words."""
+    if torch.version.cuda is None and torch.version.hip is None:
+        return f"this torch ({torch.__version__}) is a CPU-only build"
+    try:
+        torch.cuda.init()
+    except Exception as error:  # torch names the cause (driver, device files, ...)
+        return f"torch.cuda.init() raised {type(error).__name__}: {error}"
+    return "torch.cuda.is_available() is False"
+
+
+def cpu_reason() -> str | None:
+    """Why this process should run torchtitan on the CPU, or None for the GPU path.
+
+    Raises when the machine shows NVIDIA GPUs but CUDA does not initialise: a GPU node
+    whose driver failed must not train on its CPU without a word."""
+    choice = _env_choice()
     if choice == "cpu":
-        return True
-    if choice == "cuda":
+        return f"{_ENV}=cpu"
+    if choice == "cuda" or torch.cuda.is_available():
+        return None
+    if signs := gpu_signs():
+        raise RuntimeError(
+            f"titan_lowbit: this machine has NVIDIA GPUs ({', '.join(signs)}) but CUDA does "
+            f"not initialise: {_cuda_failure()}. Fix the driver or the torch install "
+            "(`nvidia-smi` lists the GPUs, and `python -c \"import torch; "
+            "print(torch.cuda.is_available())\"` prints True), or set "
+            f"{_ENV}=cpu to train on the CPU on purpose."
+        )
+    return "no GPU found: torch.cuda.is_available() is False"
+
+
+def switch() -> bool:
+    """Move torchtitan to the CPU path when :func:`cpu_reason` says so, saying it in one
+    log line; True when it did."""
+    reason = cpu_reason()
+    if reason is None:
         return False
-    return not torch.cuda.is_available()
+    enable()
+    from torchtitan.tools.logging import logger
+
+    logger.warning(
+        f"titan_lowbit: torchtitan runs on the CPU path ({reason}): gloo process group, "
+        f"pure-PyTorch reference kernels. Set {_ENV}=cuda to insist on GPUs."
+    )
+    return True
 
 
 def enable() -> None:

@@ -1,22 +1,53 @@
-"""The offline text dataset that ``scripts/prepare_data.py`` writes, by name.
+"""The offline text dataset that ``python -m titan_lowbit.prepare_data`` writes, by name.
 
 ``[training] dataset = "lowbit_text"`` (and ``[validation] dataset =
-"lowbit_text_validation"``) read the JSONL splits under ``dataset_path`` (default
-``assets/lowbit_text``, relative to the working directory) through torchtitan's own
-HuggingFace text pipeline, so tokenization, packing, sharding across data-parallel ranks
-and checkpointing of the data position are torchtitan's.
+"lowbit_text_validation"``) read the JSONL splits under ``dataset_path`` through
+torchtitan's own HuggingFace text pipeline, so tokenization, packing, sharding across
+data-parallel ranks and checkpointing of the data position are torchtitan's. Left unset,
+``dataset_path`` is the data folder :func:`titan_lowbit.prepare_data.data_dir` names
+(``$TITAN_LOWBIT_DATA``, else ``~/.cache/titan_lowbit/lowbit_text``): an absolute path,
+so the same config reads the same data from any working directory. A relative
+``dataset_path`` is, as everywhere in torchtitan, relative to the working directory.
+
+The corpus comes with its own tokenizer (``tokenizer/`` beside the splits). A config that
+trains on it and leaves ``[model] hf_assets_path`` at torchtitan's default (a path inside
+torchtitan's own repository) gets that tokenizer (:func:`wrap_build_tokenizer`); a path
+the config sets is used as it is.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from functools import partial
 
+from torchtitan.config.job_config import Model as _TorchtitanModel
 from torchtitan.hf_datasets import DatasetConfig
 from torchtitan.hf_datasets.text_datasets import DATASETS
+from torchtitan.tools.logging import logger
 
-DEFAULT_DIR = os.path.join("assets", "lowbit_text")
+from titan_lowbit.prepare_data import DATA_VARIABLE, data_dir
+
 SPLIT_FILES = {"train": "train.jsonl", "validation": "validation.jsonl"}
+# the section whose dataset_path a split is read from
+SECTIONS = {"train": "training", "validation": "validation"}
+TORCHTITAN_DEFAULT_ASSETS = _TorchtitanModel().hf_assets_path
+
+
+def _missing(what: str, path: str, split: str) -> FileNotFoundError:
+    """The error for a corpus file or folder that is not there, naming the config key
+    that chose ``path`` and a command that builds it."""
+    key = f"[{SECTIONS[split]}] dataset_path"
+    if os.path.abspath(path) == str(data_dir()):
+        where = (f"{key} is not set, so the default data folder {path} is read "
+                 f"(${DATA_VARIABLE}, else ~/.cache/titan_lowbit/lowbit_text)")
+        fix = (f"Build it with `python -m titan_lowbit.prepare_data`, or set {key} to the "
+               "folder prepare_data wrote")
+    else:
+        where = f"{key} = {path!r} ({os.path.abspath(path)})"
+        fix = (f"Build it with `python -m titan_lowbit.prepare_data --out {path}`, or point "
+               f"{key} at a folder holding train.jsonl, validation.jsonl and tokenizer/")
+    return FileNotFoundError(f"{what} does not exist: {where}. {fix}.")
 
 
 def _load_split(path: str, split: str):
@@ -24,11 +55,7 @@ def _load_split(path: str, split: str):
 
     data_file = os.path.join(path, SPLIT_FILES[split])
     if not os.path.isfile(data_file):
-        raise FileNotFoundError(
-            f"dataset file {data_file} does not exist. Run `python scripts/prepare_data.py "
-            f"--out {path}` (scripts/train.sh does it for you), or point "
-            "[training] dataset_path at a folder holding train.jsonl and validation.jsonl."
-        )
+        raise _missing(f"dataset file {data_file}", path, split)
     return load_dataset("json", data_files=data_file, split="train")
 
 
@@ -36,19 +63,55 @@ def _text(sample: dict) -> str:
     return sample["text"]
 
 
-DATASET_CONFIGS: dict[str, DatasetConfig] = {
-    "lowbit_text": DatasetConfig(
-        path=DEFAULT_DIR, loader=partial(_load_split, split="train"), sample_processor=_text
-    ),
-    "lowbit_text_validation": DatasetConfig(
-        path=DEFAULT_DIR,
-        loader=partial(_load_split, split="validation"),
-        sample_processor=_text,
-    ),
-}
+def _configs(folder: str) -> dict[str, DatasetConfig]:
+    return {
+        "lowbit_text": DatasetConfig(
+            path=folder, loader=partial(_load_split, split="train"), sample_processor=_text
+        ),
+        "lowbit_text_validation": DatasetConfig(
+            path=folder,
+            loader=partial(_load_split, split="validation"),
+            sample_processor=_text,
+        ),
+    }
+
+
+DATASET_CONFIGS: dict[str, DatasetConfig] = {}
+
+
+def resolve_tokenizer(job_config) -> None:
+    """Point ``[model] hf_assets_path`` at the corpus' tokenizer when the config trains on
+    ``lowbit_text`` and leaves the path at torchtitan's default; logs the path it chose."""
+    model, training = job_config.model, job_config.training
+    if model.hf_assets_path != TORCHTITAN_DEFAULT_ASSETS or training.dataset not in DATASET_CONFIGS:
+        return
+    folder = training.dataset_path or DATASET_CONFIGS[training.dataset].path
+    tokenizer = os.path.join(folder, "tokenizer")
+    if not os.path.isfile(os.path.join(tokenizer, "tokenizer.json")):
+        raise _missing(f"tokenizer {tokenizer} ([model] hf_assets_path is not set, so "
+                       f"{training.dataset}'s own tokenizer is used)", folder, "train")
+    model.hf_assets_path = tokenizer
+    logger.info(f"titan_lowbit: [model] hf_assets_path is not set; using the tokenizer of "
+                f"{training.dataset}, {tokenizer}")
+
+
+def wrap_build_tokenizer(build_tokenizer_fn):
+    """A train spec's tokenizer builder that first applies :func:`resolve_tokenizer`."""
+    if build_tokenizer_fn is None:
+        return None
+
+    @functools.wraps(build_tokenizer_fn)
+    def build_tokenizer(job_config, *args, **kwargs):
+        resolve_tokenizer(job_config)
+        return build_tokenizer_fn(job_config, *args, **kwargs)
+
+    return build_tokenizer
 
 
 def register() -> None:
+    """Register the datasets with the default folder as the environment names it now."""
+    if not DATASET_CONFIGS:
+        DATASET_CONFIGS.update(_configs(str(data_dir())))
     for name, config in DATASET_CONFIGS.items():
         if DATASETS.get(name) not in (None, config):
             raise RuntimeError(f"a dataset named {name!r} is already registered with torchtitan")

@@ -2,15 +2,17 @@
 
 The user keeps ``[model] name = "llama3"`` (or any built-in model). torchtitan's Trainer
 asks ``torchtitan.protocols.train_spec.get_train_spec(name)`` for the spec; titan_lowbit
-replaces that one function with one that returns the same spec with two builders
+replaces that one function with one that returns the same spec with three builders
 wrapped:
 
 - ``parallelize_fn`` first applies ``[lowbit] weight_dtype`` to the (meta) model, so
-  FSDP2 shards and initializes parameters in that dtype, then parallelizes as before,
+  FSDP2 shards and initializes parameters in that dtype, then runs torchtitan's own,
   gives tensor-parallel BitNet layers their TP group (``enable_tensor_parallel``), and
   remembers which JobConfig the model was built with;
 - ``build_optimizers_fn`` (see :mod:`titan_lowbit.optimizer_builder`) reads that
-  JobConfig, because torchtitan passes it only the ``[optimizer]`` section.
+  JobConfig, because torchtitan passes it only the ``[optimizer]`` section;
+- ``build_tokenizer_fn`` gives a config that trains on ``lowbit_text`` without
+  ``[model] hf_assets_path`` that corpus' tokenizer (:mod:`titan_lowbit.datasets`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 import torch.nn as nn
 import torchtitan.protocols.train_spec as train_spec_module
 
-from titan_lowbit import cpu_device
+from titan_lowbit import cpu_device, datasets
 from titan_lowbit.bitnet import enable_tensor_parallel
 from titan_lowbit.config import lowbit_of
 from titan_lowbit.optimizer_builder import wrap_build_optimizers
@@ -39,7 +41,7 @@ def job_config_of(model_parts: list[nn.Module]):
     raise RuntimeError(
         "titan_lowbit's optimizer builder got model parts that were not parallelized "
         "through titan_lowbit's wrapped train spec; build the model with "
-        "torchtitan.protocols.train_spec.get_train_spec() after `import titan_lowbit`."
+        "torchtitan.protocols.train_spec.get_train_spec() after `import titan_lowbit.torchtitan`."
     )
 
 
@@ -91,6 +93,7 @@ def wrap(spec: train_spec_module.TrainSpec) -> train_spec_module.TrainSpec:
         spec,
         parallelize_fn=wrap_parallelize(spec.parallelize_fn),
         build_optimizers_fn=wrap_build_optimizers(spec.build_optimizers_fn, job_config_of),
+        build_tokenizer_fn=datasets.wrap_build_tokenizer(spec.build_tokenizer_fn),
     )
 
 

@@ -1,7 +1,7 @@
 """BitNet b1.58 training: weight subclass, converter, FSDP2 hooks, tensor parallelism.
 
 ``CONVERTERS`` maps the registered converter names ("bitnet", "bitnet_subln") to their
-classes; titan_lowbit/__init__.py registers them with torchtitan.
+classes; titan_lowbit.torchtitan registers them with torchtitan.
 """
 
 from titan_lowbit.bitnet.converter import (
@@ -11,8 +11,7 @@ from titan_lowbit.bitnet.converter import (
     convert_to_bitnet,
     insert_subln,
 )
-from titan_lowbit.bitnet.linear import BitNetLinear
-from titan_lowbit.bitnet.tensor_parallel import enable_tensor_parallel
+from titan_lowbit.bitnet.linear import BitNetLinear, enable_tensor_parallel
 from titan_lowbit.bitnet.weight import (
     BitNetTernaryWeight,
     BitNetTrainingWeight,

@@ -24,9 +24,10 @@ Write ``converters = ["bitnet_subln", "bitnet"]`` (either order gives the same m
 
 from __future__ import annotations
 
+import sys
+
 import torch.nn as nn
 
-from titan_lowbit.bitnet import row_reductions
 from titan_lowbit.bitnet.linear import BitNetLinear
 from titan_lowbit.bitnet.weight import (
     BitNetTrainingWeight,
@@ -35,16 +36,25 @@ from titan_lowbit.bitnet.weight import (
     refresh_ternary_codes,
     refresh_ternary_codes_hook,
 )
+from titan_lowbit.compat import private_api_ok
 from titan_lowbit.kernels.bitnet_quant import SUPPORTED_FLOAT_DTYPES
 
 # The int8 tensor-core tile is 16 deep; a linear with fewer inputs or outputs is mostly
 # padding on the GPU, and a tensor-wise ternary scale of a handful of values is noise.
 MIN_FEATURES = 16
-DEFAULT_FILTER = ("output",)
+# The converter's settings when the job has no [lowbit] section; titan_lowbit/config.py
+# takes its defaults for these keys from here.
+DEFAULTS = {
+    "bitnet_filter": ("output",),
+    "bitnet_precompute_scale": True,
+    "bitnet_keep_codes": False,
+    "bitnet_int8_backward": True,
+    "bitnet_persistent_rows": True,
+}
 
 
-def _lowbit_option(job_config, name: str, default):
-    return getattr(getattr(job_config, "lowbit", None), name, default)
+def _lowbit_option(job_config, name: str):
+    return getattr(getattr(job_config, "lowbit", None), name, DEFAULTS[name])
 
 
 def _check_filter(model: nn.Module, filter_fqns: list[str]) -> None:
@@ -58,8 +68,9 @@ def _check_filter(model: nn.Module, filter_fqns: list[str]) -> None:
             )
 
 
-def convert_to_bitnet(model: nn.Module, filter_fqns=DEFAULT_FILTER,
-                      int8_backward: bool = True, keep_codes: bool = False) -> list[str]:
+def convert_to_bitnet(model: nn.Module, filter_fqns=DEFAULTS["bitnet_filter"],
+                      int8_backward: bool = DEFAULTS["bitnet_int8_backward"],
+                      keep_codes: bool = DEFAULTS["bitnet_keep_codes"]) -> list[str]:
     """Swap the weights of the model's nn.Linear layers for BitNet training weights.
 
     A layer is skipped when its FQN contains any fragment of ``filter_fqns``. Embeddings
@@ -166,13 +177,18 @@ class BitNetConverter:
                 "kernels and reads the BitNet weight as a plain latent tensor: BitNet would "
                 "silently not apply. Use one of them."
             )
-        self.filter_fqns = list(_lowbit_option(job_config, "bitnet_filter", list(DEFAULT_FILTER)))
-        self.precompute_scale = bool(_lowbit_option(job_config, "bitnet_precompute_scale", True))
-        self.int8_backward = bool(_lowbit_option(job_config, "bitnet_int8_backward", True))
-        self.keep_codes = bool(_lowbit_option(job_config, "bitnet_keep_codes", False))
+        self.filter_fqns = list(_lowbit_option(job_config, "bitnet_filter"))
+        self.precompute_scale = bool(_lowbit_option(job_config, "bitnet_precompute_scale"))
+        self.int8_backward = bool(_lowbit_option(job_config, "bitnet_int8_backward"))
+        self.keep_codes = bool(_lowbit_option(job_config, "bitnet_keep_codes"))
         self.converted: list[str] = []
         compiling = bool(getattr(getattr(job_config, "compile", None), "enable", False))
-        if compiling and _lowbit_option(job_config, "bitnet_persistent_rows", True):
+        # Inductor's choices are a private API of torch (titan_lowbit/compat.py): the module
+        # that replaces them is imported only with a tested torch.
+        if (compiling and _lowbit_option(job_config, "bitnet_persistent_rows")
+                and private_api_ok("torch")):
+            from titan_lowbit.bitnet import row_reductions
+
             row_reductions.install()
 
     def convert(self, model: nn.Module) -> None:
@@ -213,10 +229,14 @@ class RemovedBlockNorm(nn.Identity):
 
 
 def insert_subln(model: nn.Module) -> list[str]:
-    """SubLN surgery on every llama3 TransformerBlock; returns the normalized linears' FQNs."""
-    from torchtitan.models.llama3.model.model import TransformerBlock
+    """SubLN surgery on every llama3 TransformerBlock; returns the normalized linears' FQNs.
 
-    blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, TransformerBlock)]
+    Imports nothing of torchtitan: a model holding torchtitan's blocks has loaded their
+    module, and a model without it has none to rewrite."""
+    llama3 = sys.modules.get("torchtitan.models.llama3.model.model")
+    block_cls = getattr(llama3, "TransformerBlock", None)
+    blocks = [(n, m) for n, m in model.named_modules()
+              if block_cls is not None and isinstance(m, block_cls)]
     if not blocks:
         raise ValueError(
             f"converter 'bitnet_subln' rewrites torchtitan llama3 TransformerBlocks, and "

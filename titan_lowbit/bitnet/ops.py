@@ -23,11 +23,11 @@ While torch.compile traces, the same implementations run with ``traced=True``:
   which writes the codes and their transpose (grad_input's operand) from one read of the
   fp32 weight. Being a kernel launch, the partitioner keeps its transposed codes for the
   backward (1 byte per weight element) rather than recomputing them there from the fp32
-  weight (4 bytes read per element, and a strided transposed write) as it did with the
+  weight (4 bytes read per element, and a strided transposed write), as it would with
   torch ops; the weight-shard quantization, torch ops only, is traced as it is.
-A compiled BitNet layer thus costs no Python of ours per step; with the eager operators
-inside a compiled graph every call re-entered Python (about 1 ms of host time per layer
-per step on the H100 machine, more than the GPU time BitNet saves at 1B scale).
+A compiled BitNet layer thus costs no Python of ours per step; eager operators inside a
+compiled graph would re-enter Python at every call (about 1 ms of host time per layer
+per step on an H100 machine, more than the GPU time BitNet saves at 1B scale).
 
 The public functions below (``quantize_weight``, ``linear_forward``, ...) pick the
 compiled operators while torch.compile traces (``_compiling``).

@@ -34,6 +34,15 @@ from titan_lowbit.kernels.quant_maps import is_block_size, tensor_key
 from .formats import SMALL_TENSOR_FORMAT, STATE_FORMATS, StateFormat, block_of
 from .nonfinite import DeferredNonfiniteCheck, describe, precheck_launch, precheck_result
 from .second_moment import restore_second_moments
+from .state_dict import (
+    EntrySpec,
+    check_kind,
+    check_step,
+    check_structure,
+    find_value_problems,
+    value_error,
+)
+from .torch_flags import TORCH_FLAGS, check_torch_flags, with_torch_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +52,13 @@ NONFINITE_POLICIES = ("raise", "skip", "ignore")
 # Group options fixed once a group's states exist: they set the states' layout, or the kernel
 # configuration cached in the step plan. The hyperparameters (lr, betas, eps, weight_decay)
 # may change at any time (LR schedulers do) and are restored from a loaded state dict.
-FIXED_OPTIONS = ("state_format", "block_size", "weight_update", "min_quantized_numel", "decoupled_weight_decay")
+# maximize: the stored first moment is that of the gradient as given (see torch_flags).
+FIXED_OPTIONS = ("state_format", "block_size", "weight_update", "min_quantized_numel", "decoupled_weight_decay",
+                 "maximize")
+# The optimizer's count of skipped steps (nonfinite_grad="skip"), kept in every param group
+# so that torch.save and torch.distributed.checkpoint (which saves group keys, not extra
+# attributes) carry it.
+SKIPPED = "skipped_steps"
 
 
 def _fixed_value(group: dict[str, Any], key: str) -> Any:
@@ -144,8 +159,11 @@ class LowBitAdamW(torch.optim.Optimizer):
         decoupled_weight_decay: True for AdamW, False for Adam (weight decay added to the
             gradient as L2).
         weight_update: how the fp32 result lands in a bf16 parameter: "nearest",
-            "stochastic", "kahan" (bf16 compensation state) or "master" (fp32 master weights
-            as state). fp32 parameters are always updated exactly.
+            "stochastic", "kahan" (bf16 compensation state), "master" (fp32 master weights
+            as state) or "master_remainder" (the same fp32 master weights, bit for bit, held
+            as the bf16 weight and an int16 remainder state: 2 bytes per element instead of
+            4; the weight is the master rounded to nearest with ties away from zero, where
+            "master" rounds ties to even). fp32 parameters are always updated exactly.
         block_size: quantization block along the last dimension (power of two); 0 = the
             format's default.
         min_quantized_numel: parameters with fewer elements keep fp32 states.
@@ -160,20 +178,29 @@ class LowBitAdamW(torch.optim.Optimizer):
             states' scales first (one more read of them and a host sync) and skip the whole
             step, counted in ``skipped_steps``; the kernels' check still guards the rest
             (and raises). "ignore": no check; non-finite values reach the state.
+        amsgrad, maximize, foreach, capturable, differentiable, fused: torch.optim.AdamW's
+            flags, accepted at torch's defaults; ``maximize=True`` is supported, any other
+            value is refused naming the flag (see ``torch_flags``).
+
+    ``state_dict()`` holds plain tensors (DTensors when the parameters are) that
+    ``torch.save`` writes and ``torch.load(weights_only=True)`` reads; ``load_state_dict``
+    checks every entry before it changes anything (see ``state_dict``). The count of
+    skipped steps is kept in every param group (``"skipped_steps"``) so checkpoints carry it.
     """
 
     def __init__(self, params: Iterable[Any], lr: "float | torch.Tensor" = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2, *,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 amsgrad: bool = False, *,
                  state_format: str = "8bit", decoupled_weight_decay: bool = True, weight_update: str = "nearest",
                  block_size: int = 0, min_quantized_numel: int = 4096, seed: int = 0,
-                 nonfinite_grad: str = "raise"):
+                 nonfinite_grad: str = "raise", maximize: bool = False, foreach: Optional[bool] = None,
+                 capturable: bool = False, differentiable: bool = False, fused: Optional[bool] = None):
         if nonfinite_grad not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite_grad={nonfinite_grad!r}: choose one of {NONFINITE_POLICIES}")
         if not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed={seed!r}: use a non-negative int")
         self.seed = seed
         self.nonfinite_grad = nonfinite_grad
-        self.skipped_steps = 0
         self._deferred = DeferredNonfiniteCheck()  # nonfinite_grad="raise"
         # Set by a container that ran find_nonfinite_grad on all its optimizers: the next
         # step skips its own check.
@@ -193,8 +220,21 @@ class LowBitAdamW(torch.optim.Optimizer):
         self._master_pending: set[torch.Tensor] = set()
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_format=state_format,
                         decoupled_weight_decay=decoupled_weight_decay, weight_update=weight_update,
-                        block_size=block_size, min_quantized_numel=min_quantized_numel)
+                        block_size=block_size, min_quantized_numel=min_quantized_numel, amsgrad=amsgrad,
+                        maximize=maximize, foreach=foreach, capturable=capturable, differentiable=differentiable,
+                        fused=fused)
         super().__init__(params, defaults)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite gradient (``nonfinite_grad="skip"``), kept in
+        every param group (all hold the same count)."""
+        return max((g[SKIPPED] for g in self.param_groups), default=0)
+
+    @skipped_steps.setter
+    def skipped_steps(self, count: int) -> None:
+        for group in self.param_groups:
+            group[SKIPPED] = count
 
     # Rebuilt by the next step from the state; a copy or pickle leaves them behind.
     _CACHES = {"_plans": dict, "_step_plan": lambda: None, "_steps_buf": lambda: None,
@@ -221,8 +261,14 @@ class LowBitAdamW(torch.optim.Optimizer):
         """Add and validate a group; on any error the optimizer is left as it was (torch
         would keep the bad group, and every later step would fail on it)."""
         gi = len(self.param_groups)
+        count = self.skipped_steps
+        if isinstance(param_group, dict) and param_group.get(SKIPPED, count) != count:
+            raise ValueError(f"param group {gi}: {SKIPPED}={param_group[SKIPPED]!r}, but this optimizer skipped "
+                             f"{count} steps; '{SKIPPED}' is the optimizer's own count (load_state_dict "
+                             "restores it): remove it from the param group")
         super().add_param_group(param_group)
         group = self.param_groups[gi]
+        group[SKIPPED] = count
         try:
             self._check_group(group, f"param group {gi}")
             names = group.get("param_names")
@@ -281,6 +327,10 @@ class LowBitAdamW(torch.optim.Optimizer):
             raise ValueError(f"{where}: block_size={bs!r}; use 0 (the format's default) or a power of two >= 2")
         if not isinstance(group["min_quantized_numel"], int) or group["min_quantized_numel"] < 0:
             raise ValueError(f"{where}: min_quantized_numel={group['min_quantized_numel']!r}; use an int >= 0")
+        check_torch_flags(group, where)
+        skipped = group.get(SKIPPED, 0)
+        if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
+            raise ValueError(f"{where}: {SKIPPED}={skipped!r}; the count of skipped steps is an int >= 0")
 
     def _format(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[StateFormat, int]:
         """The effective state format and block size of a parameter."""
@@ -331,32 +381,39 @@ class LowBitAdamW(torch.optim.Optimizer):
             specs["master"] = (tuple(local.shape), torch.float32, tuple(p.shape))
         elif p.dtype == torch.bfloat16 and group["weight_update"] == "kahan":
             specs["kahan_comp"] = (tuple(local.shape), torch.bfloat16, tuple(p.shape))
+        elif p.dtype == torch.bfloat16 and group["weight_update"] == "master_remainder":
+            specs["master_remainder"] = (tuple(local.shape), torch.int16, tuple(p.shape))
         return specs
 
     def _init_states(self, params: list[torch.Tensor], group: dict[str, Any]) -> None:
         """Create the group's states now (not at the first step), so a checkpoint can be
         loaded into them before training starts and DCP sees real tensors.
 
-        All state tensors of a group on one device are views into ONE zeroed buffer, each
-        starting on a 128-byte boundary: the caching allocator would otherwise round many
-        of them up (an 11 MiB tensor gets a 12 MiB block), which costs about 0.13 B/param
-        for the 8-bit states of a 1B model -- more than the scales themselves.
+        The state tensors of a group of one dtype on one device are views into ONE zeroed
+        buffer (an arena), each starting on a 128-byte boundary: the caching allocator would
+        otherwise round many of them up (an 11 MiB tensor gets a 12 MiB block), which costs
+        about 0.13 B/param for the 8-bit states of a 1B model -- more than the scales
+        themselves. One arena per dtype, so that every state tensor has its storage's dtype
+        (``torch.save`` refuses views of one storage in several dtypes), and an arena holds
+        nothing but states: a saved state dict writes each arena once, padding included
+        (under 128 bytes per state tensor). The kernels address every buffer by its pointer
+        difference from the launch's base buffer of the same role, so the arenas need not
+        be one allocation.
         """
         todo = [p for p in params if not self.state[p]]
         layout: list[tuple[torch.Tensor, str, tuple, torch.dtype, tuple, int]] = []
-        used: dict[torch.device, int] = {}
+        used: dict[tuple[torch.device, torch.dtype], int] = {}  # elements
         for p in todo:
             dev = _local(p).device
             for key, (shape, dtype, gshape) in self._state_specs(p, group).items():
-                start = -(-used.get(dev, 0) // _ARENA_ALIGN) * _ARENA_ALIGN
-                nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-                used[dev] = start + nbytes
+                align = max(1, _ARENA_ALIGN // dtype.itemsize)
+                start = -(-used.get((dev, dtype), 0) // align) * align
+                used[(dev, dtype)] = start + math.prod(shape)
                 layout.append((p, key, shape, dtype, gshape, start))
-        arenas = {dev: torch.zeros(max(n, 1), dtype=torch.uint8, device=dev) for dev, n in used.items()}
+        arenas = {(dev, dtype): torch.zeros(max(n, 1), dtype=dtype, device=dev) for (dev, dtype), n in used.items()}
         for p, key, shape, dtype, gshape, start in layout:
-            arena = arenas[_local(p).device]
-            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            local = arena[start:start + nbytes].view(dtype).view(shape)
+            arena = arenas[(_local(p).device, dtype)]
+            local = arena[start:start + math.prod(shape)].view(shape)
             if key == "master":
                 local.copy_(_local(p).detach())
                 self._master_pending.add(p)
@@ -387,21 +444,23 @@ class LowBitAdamW(torch.optim.Optimizer):
     # checkpoints
     # ------------------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load like torch, but check first, keep every state tensor's dtype, and on any
-        error leave the optimizer exactly as it was.
+        """Load like torch, but check everything first, keep every state tensor's dtype,
+        and on any error leave the optimizer exactly as it was.
 
         ``torch.optim.Optimizer.load_state_dict`` copies the saved group options over the
         ones this optimizer was built with, so an 8-bit checkpoint loaded into a 4-bit
         optimizer would silently go on as 8-bit: the FIXED_OPTIONS must match (the
         hyperparameters are restored from the checkpoint, as in torch). Torch also casts
         floating state to the parameter's dtype; our states have their own dtypes (fp32
-        scales and master weights next to bf16 parameters), so torch loads the groups and
-        we place the state (moved, never cast).
+        scales and master weights next to bf16 parameters). Every parameter's state is
+        checked (entries, dtypes, shapes, ``step``, finite values: see ``state_dict``),
+        then copied into this optimizer's own state tensors (moved, never cast), which
+        keep their arenas; torch.distributed.checkpoint has loaded into those already.
         """
-        self._check_loadable(state_dict)
+        loaded = self._check_loadable(state_dict)
         before = (self.state, self.param_groups, self._master_pending)
-        try:  # torch and _load replace these objects, never change them: put them back
-            self._load(state_dict)
+        try:  # torch replaces the groups, never changes them: put them back
+            self._load(state_dict, loaded)
         except BaseException:
             self.state, self.param_groups, self._master_pending = before
             raise
@@ -411,8 +470,9 @@ class LowBitAdamW(torch.optim.Optimizer):
         self._plans.clear()
         self._step_plan = None
 
-    def _check_loadable(self, state_dict: dict[str, Any]) -> None:
-        """Raise, before anything changes, when ``state_dict`` does not fit this optimizer."""
+    def _check_loadable(self, state_dict: dict[str, Any]) -> list[tuple[torch.Tensor, dict[str, torch.Tensor], float]]:
+        """Raise, before anything changes, when ``state_dict`` does not fit this optimizer;
+        else (parameter, its loaded state tensors, its step) for every parameter."""
         if not (isinstance(state_dict, dict) and "state" in state_dict and "param_groups" in state_dict):
             raise ValueError("LowBitAdamW.load_state_dict needs an optimizer state dict with 'state' and "
                              "'param_groups' (from LowBitAdamW.state_dict())")
@@ -423,11 +483,12 @@ class LowBitAdamW(torch.optim.Optimizer):
                              f"{[len(g['params']) for g in self.param_groups]}: build the optimizer with the "
                              "param groups the state dict was saved with")
         for gi, (s, g) in enumerate(zip(saved, self.param_groups)):
-            missing = [k for k in self.defaults if k not in s]
+            missing = [k for k in self.defaults if k not in s and k not in TORCH_FLAGS]
             if missing:
                 raise ValueError(f"param group {gi} of the state dict has no {missing}: it was not saved by "
                                  "LowBitAdamW (torch.optim.AdamW's?). Load a LowBitAdamW state dict, or start "
                                  "the optimizer state afresh (load the model weights only)")
+            s = with_torch_defaults(s)
             for k in FIXED_OPTIONS:
                 if _fixed_value(s, k) != _fixed_value(g, k):
                     raise ValueError(
@@ -440,45 +501,60 @@ class LowBitAdamW(torch.optim.Optimizer):
         if unknown:
             raise ValueError(f"the state dict holds state for parameter ids {unknown[:5]} that no param group "
                              "lists; it is damaged or not an optimizer state dict")
+        loaded, checks, where = [], [], []
+        for s, group in zip(saved, self.param_groups):
+            for key, p in zip(s["params"], group["params"]):
+                name, state = self._name(p), state_dict["state"].get(key)
+                if not state:  # LowBitAdamW saves every parameter's state (made at construction)
+                    raise ValueError(
+                        f"param '{name}': the state dict holds no optimizer state for it, so it "
+                        "would restart from zero moments (and its master weight from the bf16 value) while "
+                        "the others resume: the state dict is incomplete or not this optimizer's. Load a "
+                        "complete one, or start the optimizer state afresh")
+                specs = self._entry_specs(p, group)
+                fmt, block = self._format(p, group)
+                sharded = next((v for v in self.state[p].values() if isinstance(v, DTensor)), None)
+                check_structure(name, state, specs, sharded,
+                                f"state_format={fmt.name!r}, block {block}, weight_update={group['weight_update']!r}")
+                step = check_step(name, state["step"])
+                for k, spec in specs.items():
+                    checks.append((state[k], spec))
+                    where.append((name, k))
+                loaded.append((p, {k: state[k] for k in specs}, step))
+        params = [p for g in self.param_groups for p in g["params"]]
+        for (name, k), (_, spec), bad in zip(where, checks, find_value_problems(checks, _is_distributed(params))):
+            if bad:
+                raise value_error(name, k, spec)
+        return loaded
 
-    def _load(self, state_dict: dict[str, Any]) -> None:
-        saved_state = state_dict["state"]
+    def _entry_specs(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, EntrySpec]:
+        """What each state tensor of ``p`` must be, for checking a loaded state."""
+        fmt, _ = self._format(p, group)
+        codecs = {"exp_avg_codes": fmt.m_codec, "exp_avg_sq_codes": fmt.v_codec}
+        return {k: EntrySpec(gshape, shape, dtype, check_kind(k), codecs.get(k, 0))
+                for k, (shape, dtype, gshape) in self._state_specs(p, group).items()}
+
+    def _load(self, state_dict: dict[str, Any], loaded: list) -> None:
+        state = self.state
         super().load_state_dict({**state_dict, "state": {}})
+        self.state = state  # torch made a new, empty one: the states stay where they are
+        count = max((g.get(SKIPPED, 0) for g in self.param_groups), default=0)
         for group, fixed in zip(self.param_groups, self._fixed):
             # The saved FIXED_OPTIONS act as the built ones (checked), but may be spelled
             # otherwise (block_size 0 for the default): keep the built spelling.
+            for k, default in TORCH_FLAGS.items():
+                group.setdefault(k, default)
             group.update(zip(FIXED_OPTIONS, fixed))
+            group[SKIPPED] = count
         self._master_pending = set(self._master_pending)
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        by_id = dict(zip(saved_ids, params))
-        for key, st in saved_state.items():
-            p = by_id[key]
-            self.state[p] = {k: (v if k == "step" or not isinstance(v, torch.Tensor) else v.to(device=p.device))
-                             for k, v in st.items()}
+        for p, values, step in loaded:
+            own = state[p]
+            for key, value in values.items():
+                dst, src = _local(own[key]), _local(value)
+                if dst.data_ptr() != src.data_ptr() or dst.device != src.device:  # DCP loads in place
+                    dst.copy_(src)
+            own["step"] = torch.tensor(step)
             self._master_pending.discard(p)  # a loaded master is kept
-        for group in self.param_groups:
-            for p in group["params"]:
-                self._check_loaded_state(p, group)
-
-    def _check_loaded_state(self, p: torch.Tensor, group: dict[str, Any]) -> None:
-        state = self.state[p]
-        if not state:  # LowBitAdamW saves every parameter's state (made at construction)
-            raise ValueError(
-                f"param '{self._name(p)}': the state dict holds no optimizer state for it, so it "
-                "would restart from zero moments (and its master weight from the bf16 value) while "
-                "the others resume: the state dict is incomplete or not this optimizer's. Load a "
-                "complete one, or start the optimizer state afresh")
-        fmt, block = self._format(p, group)
-        expect = {k: (gshape, dtype) for k, (_, dtype, gshape) in self._state_specs(p, group).items()}
-        got = {k: (tuple(v.shape), v.dtype) for k, v in state.items() if k != "step"}
-        if got != expect:
-            raise ValueError(
-                f"param '{self._name(p)}': the loaded optimizer state {got} does not match state_format="
-                f"{fmt.name!r}, block {block}, weight_update={group['weight_update']!r} (expected {expect}); "
-                "load with the optimizer settings the checkpoint was saved with")
-        if "step" not in state:
-            state["step"] = torch.tensor(0.0)
 
     # ------------------------------------------------------------------------------------
     # the step
@@ -525,6 +601,10 @@ class LowBitAdamW(torch.optim.Optimizer):
                 return "", "non-finite gradient or state"
         return (None, "") if found is None else (self._name(params[bad_local]), found[1])
 
+    # A compiled function that calls step() runs the step eagerly (a graph break): the
+    # step's host-side plan, the in-place kernel launches on states that are views of
+    # arenas, and its host syncs are nothing Dynamo can trace.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -551,13 +631,18 @@ class LowBitAdamW(torch.optim.Optimizer):
         work = []
         for fam in plan.families:
             group = self.param_groups[fam.group]
-            hyper = AdamWHyper(lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
-                               eps=group["eps"], weight_decay=group["weight_decay"], step=fam.step + 1)
+            lr, wd = group["lr"], group["weight_decay"]
+            if group["maximize"]:  # Adam on the negated gradient, exactly (see torch_flags)
+                lr, wd = -lr, -wd
+            hyper = AdamWHyper(lr=lr, beta1=group["betas"][0], beta2=group["betas"][1],
+                               eps=group["eps"], weight_decay=wd, step=fam.step + 1)
             fam_grads = fam.pick(grads)
             guard = self._deferred.guard(fam.device, nflags) if guarded else None
             if self._use_fused(_local(fam.params[0])):
                 work.append((fam, hyper, guard, self._fused_launches(fam, fam_grads, plan.kind), None))
             else:
+                for p in fam.params:
+                    self._check_state_fits(p, group)
                 work.append((fam, hyper, guard, None,
                              ([self._kernel_tensor(p, fam.cfg) for p in fam.params], fam_grads)))
 
@@ -659,7 +744,7 @@ class LowBitAdamW(torch.optim.Optimizer):
     def count_skipped_step(self, where: str) -> None:
         """A step skipped for a non-finite (or overflowing) gradient or a non-finite state
         scale (nonfinite_grad='skip')."""
-        self.skipped_steps += 1
+        self.skipped_steps = self.skipped_steps + 1
         logger.warning(f"LowBitAdamW: skipped a step that would write an inf/nan, in {where} "
                        f"({self.skipped_steps} skipped so far)")
 
@@ -690,13 +775,15 @@ class LowBitAdamW(torch.optim.Optimizer):
         """Validate the gradients fully and group the parameters into launch families.
         Rebuilt only when the set of parameters with gradients changes (or on load)."""
         grads = [self._check_grad(p) for p in with_grad]
+        group_of = {p: gi for gi, group in enumerate(self.param_groups) for p in group["params"]}
+        for p in with_grad:
+            self._check_state_fits(p, self.param_groups[group_of[p]])
         all_params = [p for group in self.param_groups for p in group["params"]]
         position = {p: i for i, p in enumerate(all_params)}
         steps = [float(self.state[p]["step"]) for p in all_params]
         self._steps_buf = torch.tensor(steps, dtype=torch.float32)
         for i, p in enumerate(all_params):
             self.state[p]["step"] = self._steps_buf[i]
-        group_of = {p: gi for gi, group in enumerate(self.param_groups) for p in group["params"]}
         families: dict[tuple, _Family] = {}
         for i, (p, g) in enumerate(zip(with_grad, grads)):
             if not g.numel():
@@ -743,6 +830,8 @@ class LowBitAdamW(torch.optim.Optimizer):
             if all(pl.point_at(pick(grads)) for pl, pick in fam.launches):
                 return [pl for pl, _ in fam.launches]
         cfg = fam.cfg
+        for p in fam.params:  # a parameter's storage may have been replaced by one of another shape
+            self._check_state_fits(p, self.param_groups[fam.group])
         tensors = [self._kernel_tensor(p, cfg) for p in fam.params]
         variants: dict[tuple[bool, bool], list[int]] = {}
         elems = self.launch_options.get("elems_per_program")
@@ -758,6 +847,21 @@ class LowBitAdamW(torch.optim.Optimizer):
             if not pl.point_at(pick(grads)):
                 raise RuntimeError("LowBitAdamW: a launch plan built for these gradients does not fit them")
         return [pl for pl, _ in fam.launches]
+
+    def _check_state_fits(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        """Refuse a parameter whose local shape, dtype or device no longer fits its state
+        (``p.data`` replaced, a shard resized): its state would be read under another
+        layout. Called before any parameter of the step is updated."""
+        state, local = self.state[p], _local(p)
+        specs = self._state_specs(p, group)
+        have = {k: (tuple(_local(v).shape), _local(v).dtype, _local(v).device) for k, v in state.items() if k != "step"}
+        want = {k: (shape, dtype, local.device) for k, (shape, dtype, _) in specs.items()}
+        if have != want:
+            raise ValueError(
+                f"param '{self._name(p)}' is now {p.dtype} of (local) shape {tuple(local.shape)} on {local.device}, "
+                f"which its optimizer state does not fit (it holds {have}, this parameter needs {want}): the "
+                "parameter's shape, dtype or device changed after its state was made. No parameter was "
+                "stepped. Build a new optimizer for the changed model (or load a state dict saved for it)")
 
     def _kernel_tensor(self, p: torch.Tensor, cfg: AdamWConfig) -> AdamWTensor:
         """The kernel's view of one parameter: local buffers and the [rows, cols] layout."""
@@ -778,7 +882,7 @@ class LowBitAdamW(torch.optim.Optimizer):
             ms, vs = _local(state["exp_avg_absmax"]), _local(state["exp_avg_sq_absmax"])
         else:
             m, v, ms, vs = _local(state["exp_avg"]), _local(state["exp_avg_sq"]), None, None
-        extra = state.get("master", state.get("kahan_comp"))
+        extra = state.get("master", state.get("kahan_comp", state.get("master_remainder")))
         return AdamWTensor(param=local, exp_avg=m, exp_avg_sq=v, exp_avg_scale=ms, exp_avg_sq_scale=vs,
                            extra=None if extra is None else _local(extra), rows=rows, cols=cols,
                            sr_base=sr_base, sr_row_stride=sr_row_stride,
@@ -882,6 +986,7 @@ class _StepPlan:
                 g = g._local_tensor
             if g.dtype is not dtype or g.layout is not strided or g.shape != shape or not g.is_contiguous():
                 raise_or_local = opt._check_grad(p)
+                opt._check_state_fits(p, next(gr for gr in opt.param_groups if any(q is p for q in gr["params"])))
                 if raise_or_local.dtype is not dtype:
                     raise TypeError(f"param '{opt._name(p)}': gradient dtype changed from {dtype} to "
                                     f"{raise_or_local.dtype} between steps; keep one gradient dtype")

@@ -18,9 +18,9 @@ division that never run, are left out); the body is straight-line, so they track
 Nsight Compute executes. Needs a triton with its NVIDIA backend (any machine with the
 triton wheel; use the GPU's triton version, e.g. with ``PYTHONPATH`` pointing at it):
 
-    python3 scripts/sass_count.py --format 8bit 4bit --dtype bfloat16 --update stochastic
-    python3 scripts/sass_count.py --format 4bit --dump /tmp/k.sass   # the SASS itself
-    python3 scripts/sass_count.py --check-scratch   # Triton's own shared memory vs the tables' gap
+    python3 tools/sass_count.py --format 8bit 4bit --dtype bfloat16 --update stochastic
+    python3 tools/sass_count.py --format 4bit --dump /tmp/k.sass   # the SASS itself
+    python3 tools/sass_count.py --check-scratch   # Triton's own shared memory vs the tables' gap
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _signature(fmt, dtype: str, update: str) -> tuple[dict, dict]:
     wdt = _TRITON_TYPE[dtype]
     quant = fmt.m_codec != K.CODEC_NONE
     state = "u8" if quant else ("bf16" if fmt.plain_dtype == torch.bfloat16 else "fp32")
-    extra = {"master": "fp32", "kahan": "bf16"}.get(update, wdt) if dtype == "bfloat16" else wdt
+    extra = {"master": "fp32", "kahan": "bf16", "master_remainder": "i16"}.get(update, wdt) if dtype == "bfloat16" else wdt
     sig = {
         "tiles_ptr": "*i32", "meta_ptr": "*i64", "grad_offsets_ptr": "*i64",
         "tables_ptr": "*fp32", "enc_tables_ptr": "*u8", "smem_image_ptr": "*i32", "lr_ptr": "*fp32",
@@ -155,7 +155,7 @@ def check_scratch(arch: int) -> bool:
         if K.smem_layout(fmt.m_codec, fmt.v_codec, 1024)[2] == 0:
             continue
         for dtype, update in (("float32", "nearest"), ("bfloat16", "nearest"), ("bfloat16", "stochastic"),
-                              ("bfloat16", "kahan"), ("bfloat16", "master")):
+                              ("bfloat16", "kahan"), ("bfloat16", "master"), ("bfloat16", "master_remainder")):
             for aligned, even in ((True, True), (True, False), (False, True), (False, False)):
                 # the non-finite guard's variant (launched with its register cap) at the
                 # default block

@@ -6,8 +6,8 @@
 #   3. the two runs' losses of the resumed steps compared as torchtitan prints them.
 # Exits 1 if the runs differ or the second run did not resume.
 #
-#   scripts/resume_check.sh NAME CONFIG [torchtitan overrides...]
-#   scripts/resume_check.sh a8sr train_configs/llama3_debug.toml --debug.deterministic \
+#   tools/resume_check.sh NAME CONFIG [torchtitan overrides...]
+#   tools/resume_check.sh a8sr train_configs/llama3_debug.toml --debug.deterministic \
 #       --optimizer.name AdamW8bit --lowbit.weight_dtype bfloat16 --lowbit.weight_update stochastic
 #
 # Environment: STEPS (default 20), LOGS (default outputs/resume_check): the runs' logs go to
@@ -16,7 +16,7 @@
 # does not promise that two runs repeat each other bit for bit.
 set -euo pipefail
 if [ $# -lt 2 ]; then
-  echo "usage: scripts/resume_check.sh NAME CONFIG [torchtitan overrides...]" >&2
+  echo "usage: tools/resume_check.sh NAME CONFIG [torchtitan overrides...]" >&2
   exit 2
 fi
 name=$1 config=$2
@@ -40,8 +40,7 @@ scripts/train.sh "$config" "${common[@]}" > "$logs/${name}_resumed.log" 2>&1 \
   || { tail -80 "$logs/${name}_resumed.log"; exit 1; }
 "${PYTHON:-python3}" - "$logs/${name}_full.log" "$logs/${name}_resumed.log" "$name" "$half" "$steps" <<'PY'
 import sys
-sys.path.insert(0, "scripts")
-from runs import step_losses
+from titan_lowbit.run_logs import step_losses
 full_log, resumed_log, name, half, steps = sys.argv[1:4] + [int(a) for a in sys.argv[4:6]]
 text = open(resumed_log).read()
 full, resumed = step_losses(open(full_log).read()), step_losses(text)

@@ -1,12 +1,14 @@
-#!/usr/bin/env python3
 """Build a BPE tokenizer and a JSONL text dataset from a local corpus, offline.
+
+    python -m titan_lowbit.prepare_data [--out DIR] [--corpus DIR] [--if-missing]
 
 By default the corpus is the running interpreter's standard library (its ``.py``
 sources and any ``.txt``/``.rst``/``.md`` files beside them): real text that every
 machine with Python already has, so CI and GPU hosts without a network train on the
 same kind of data. ``--corpus DIR`` takes any folder of text files instead.
 
-Output (default ``assets/lowbit_text/``, ignored by git):
+Output: ``--out``, by default the data folder :func:`data_dir` names (the one the
+``lowbit_text`` datasets read when a config leaves ``dataset_path`` unset):
 
 - ``train.jsonl`` and ``validation.jsonl``: one ``{"text": ...}`` record per document;
   a document goes to validation when a hash of its relative path says so, so the
@@ -36,12 +38,23 @@ from pathlib import Path
 
 TEXT_SUFFIXES = (".py", ".txt", ".rst", ".md")
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
-DEFAULT_OUT = Path("assets") / "lowbit_text"
+DATA_VARIABLE = "TITAN_LOWBIT_DATA"
 # What the outputs hold, recorded in the manifest; ``--if-missing`` rebuilds outputs of
 # another format (2: each split shuffled by a hash of its document ids; 1: file order).
 FORMAT = 2
 # Installed third-party packages differ between machines; the corpus is Python's own text.
 SKIP_DIRS = {"__pycache__", "site-packages", "dist-packages"}
+
+
+def data_dir() -> Path:
+    """The default folder of the ``lowbit_text`` corpus: ``$TITAN_LOWBIT_DATA`` when set,
+    else ``lowbit_text`` in the user's cache folder (``$XDG_CACHE_HOME/titan_lowbit``,
+    ``~/.cache/titan_lowbit`` without it). An absolute path, so a config that leaves
+    ``dataset_path`` unset reads the same data from any working directory."""
+    if os.environ.get(DATA_VARIABLE):
+        return Path(os.environ[DATA_VARIABLE]).expanduser().absolute()
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache).expanduser().absolute() / "titan_lowbit" / "lowbit_text"
 
 
 def default_corpus() -> Path:
@@ -177,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", type=Path, default=None,
                         help="folder of text files (default: this Python's standard library)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help=f"output folder (default: {DEFAULT_OUT})")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"output folder (default: ${DATA_VARIABLE}, else "
+                             f"~/.cache/titan_lowbit/lowbit_text; here {data_dir()})")
     parser.add_argument("--vocab-size", type=int, default=2048)
     parser.add_argument("--max-bytes", type=int, default=24_000_000,
                         help="stop reading the corpus after this many characters")
@@ -190,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="do nothing when OUT already holds a manifest.json of this "
                              "script's format")
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = data_dir()
     if args.vocab_size < 256 + 3:
         parser.error(f"--vocab-size {args.vocab_size} must be at least 259 (256 bytes + 3 special tokens)")
     manifest_path = args.out / "manifest.json"
@@ -210,8 +226,12 @@ def main(argv: list[str] | None = None) -> int:
                        args.max_doc_bytes, args.validation_every)
     print(f"prepare_data: wrote {args.out}: {json.dumps(manifest['documents'])} documents, "
           f"vocab {manifest['vocab_size']}", file=sys.stderr)
+    if args.out.absolute() != data_dir():
+        print(f"prepare_data: a config reads it with [training] dataset_path and [validation] "
+              f"dataset_path = \"{args.out.absolute()}\" (or with {DATA_VARIABLE}="
+              f"{args.out.absolute()} set for every run)", file=sys.stderr)
     return 0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m titan_lowbit.prepare_data
     sys.exit(main())

@@ -7,7 +7,7 @@ trace's last ``ProfilerStep``, on every thread, and lists what those regions spe
 time in, one level down (nested regions of a family, e.g. the 22 layers'
 ``FSDP::all_gather (layers.N)``, are summed under one name with the layer index dropped).
 
-    python3 scripts/trace_regions.py rank0_trace.json "FSDP::pre_forward (layers" \\
+    python3 tools/trace_regions.py rank0_trace.json "FSDP::pre_forward (layers" \\
         "FSDP::pre_backward (layers" "Optimizer.step#OptimizersContainer"
 
 docs/bitnet.md's table of the FSDP2 all-gather hooks' host time comes from this.

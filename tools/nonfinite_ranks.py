@@ -4,7 +4,7 @@ in rank 1's gradient shard at the second step must make BOTH ranks raise at the 
 ``step()`` call, before it changes anything, and both must then step on. Prints each
 rank's five outcomes (docs/optimizer.md has a run):
 
-    torchrun --nproc_per_node 2 scripts/nonfinite_ranks.py
+    torchrun --nproc_per_node 2 tools/nonfinite_ranks.py
 """
 import torch
 import torch.distributed as dist

@@ -8,7 +8,7 @@ family (int8 matmul variant, cuBLAS GEMM, attention, Inductor reduction / pointw
 template kernels, optimizer, other kernels by name) and reports the time the GPU was
 busy (the union of the events' intervals) against the span from the first to the last.
 
-    python3 scripts/trace_kernels.py rank0_trace.json [--top 25] [--by-kernel]
+    python3 tools/trace_kernels.py rank0_trace.json [--top 25] [--by-kernel]
 
 ``--by-kernel`` lists single kernels (by name) instead of families, with their mean time
 per launch: which Inductor kernel a change made faster or slower.

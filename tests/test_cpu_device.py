@@ -1,0 +1,100 @@
+"""The CPU switch is loud: one log line when titan_lowbit moves torchtitan to the CPU
+path, an error instead of a CPU run on a machine whose GPUs CUDA cannot initialise, and
+TITAN_LOWBIT_DEVICE=cpu still choosing the CPU path. What the machine shows (device
+files, nvidia-smi, torch.cuda) is mocked; torchtitan's globals are never touched."""
+
+import logging
+
+import pytest
+import torch
+
+from titan_lowbit import cpu_device
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """A machine without GPUs and without CUDA, whose switch only records the call."""
+    enabled = []
+    monkeypatch.delenv("TITAN_LOWBIT_DEVICE", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(cpu_device.glob, "glob", lambda pattern: [])
+    monkeypatch.setattr(cpu_device.shutil, "which", lambda name: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cpu_device, "enable", lambda: enabled.append(True))
+    return enabled
+
+
+def switch_records(caplog) -> tuple[bool, list[logging.LogRecord]]:
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        switched = cpu_device.switch()
+    return switched, [r for r in caplog.records if "titan_lowbit" in r.getMessage()]
+
+
+def test_no_gpu_switches_to_the_cpu_with_one_log_line(machine, caplog):
+    switched, records = switch_records(caplog)
+    assert switched and machine == [True]
+    assert len(records) == 1 and records[0].levelno == logging.WARNING
+    message = records[0].getMessage()
+    assert "CPU path" in message and "no GPU found" in message and "gloo" in message
+
+
+@pytest.mark.parametrize("sign", ["device file", "nvidia-smi", "CUDA_VISIBLE_DEVICES"])
+def test_gpus_that_cuda_cannot_use_stop_the_run(machine, caplog, monkeypatch, sign):
+    if sign == "device file":
+        monkeypatch.setattr(cpu_device.glob, "glob", lambda pattern: ["/dev/nvidia0"])
+        shown = "/dev/nvidia0"
+    elif sign == "nvidia-smi":
+        monkeypatch.setattr(cpu_device.shutil, "which", lambda name: "/usr/bin/" + name)
+        shown = "nvidia-smi on PATH"
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+        shown = "CUDA_VISIBLE_DEVICES=0,1"
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+
+    def init():
+        raise RuntimeError("CUDA driver initialization failed")
+
+    monkeypatch.setattr(torch.cuda, "init", init)
+    with pytest.raises(RuntimeError) as error:
+        switch_records(caplog)
+    message = str(error.value)
+    assert shown in message and "CUDA driver initialization failed" in message
+    assert "TITAN_LOWBIT_DEVICE=cpu" in message
+    assert machine == []
+
+
+def test_a_cpu_only_torch_on_a_gpu_machine_is_named(machine, caplog, monkeypatch):
+    monkeypatch.setattr(cpu_device.glob, "glob", lambda pattern: ["/dev/nvidia0"])
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None)
+    with pytest.raises(RuntimeError, match="CPU-only build"):
+        switch_records(caplog)
+
+
+@pytest.mark.parametrize("hidden", ["", "-1"])
+def test_gpus_hidden_on_purpose_take_the_cpu_path(machine, caplog, monkeypatch, hidden):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+    assert switch_records(caplog)[0] and machine == [True]
+
+
+def test_titan_lowbit_device_cpu_forces_the_cpu_path(machine, caplog, monkeypatch):
+    monkeypatch.setattr(cpu_device.glob, "glob", lambda pattern: ["/dev/nvidia0"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("TITAN_LOWBIT_DEVICE", "cpu")
+    switched, records = switch_records(caplog)
+    assert switched and machine == [True]
+    assert len(records) == 1 and "TITAN_LOWBIT_DEVICE=cpu" in records[0].getMessage()
+
+
+def test_working_cuda_keeps_torchtitan_on_the_gpu(machine, caplog, monkeypatch):
+    monkeypatch.setattr(cpu_device.glob, "glob", lambda pattern: ["/dev/nvidia0"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    switched, records = switch_records(caplog)
+    assert not switched and machine == [] and records == []
+
+
+def test_a_misspelt_device_choice_is_refused(machine, monkeypatch):
+    monkeypatch.setenv("TITAN_LOWBIT_DEVICE", "gpu")
+    with pytest.raises(ValueError, match="TITAN_LOWBIT_DEVICE='gpu'"):
+        cpu_device.switch()

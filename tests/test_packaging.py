@@ -1,0 +1,130 @@
+"""titan_lowbit installed and used the way README.md tells a newcomer: CI installs with
+README's own line, and a non-editable install in a fresh virtual environment builds the
+offline corpus with the packaged command and trains README's job file from an empty
+directory on 2 CPU processes with plain torchrun."""
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
+from conftest import ROOT, step_losses
+
+README = ROOT / "README.md"
+CI = ROOT / ".ci" / "run"
+TEST_COMMAND = " && python -m pytest"
+
+
+def code_blocks(language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", README.read_text(), re.S | re.M)
+
+
+def readme_lines(predicate) -> list[str]:
+    return [line for block in code_blocks("bash") for line in block.splitlines()
+            if predicate(line)]
+
+
+def test_ci_installs_exactly_as_readme_says():
+    tests = readme_lines(lambda line: line.endswith(TEST_COMMAND))
+    assert len(tests) == 1, f"README.md should hold one test command, found {tests}"
+    install = tests[0].removesuffix(TEST_COMMAND)
+    ci = CI.read_text().splitlines()
+    assert [line for line in ci if "pip install" in line] == [install]
+    assert ci.index(install) < ci.index("python -m pytest")
+    # Every README line that installs torch installs it as the tested line does.
+    for line in readme_lines(lambda line: line.startswith("pip install torch")):
+        assert line.startswith(install), line
+    # The CPU build from PyTorch's CPU wheel index (pytorch.org's form), not the CUDA one.
+    assert "--index-url https://download.pytorch.org/whl/cpu" in install
+
+
+def readme_job() -> str:
+    """The job file under README.md's "Using it from your own torchtitan config"."""
+    section = README.read_text().split("## Using it from your own torchtitan config", 1)[1]
+    return re.search(r"^```toml\n(.*?)^```", section, re.S | re.M).group(1)
+
+
+def readme_cpu_launch() -> tuple[dict[str, str], list[str]]:
+    """(environment, torchrun arguments) of README.md's launch on CPU processes."""
+    (line,) = readme_lines(lambda line: "torchrun" in line and "--nproc_per_node=2" in line)
+    words = shlex.split(line)
+    env = dict(w.split("=", 1) for w in words[:words.index("torchrun")])
+    return env, words[words.index("torchrun") + 1:]
+
+
+def test_readme_job_file_is_complete_and_paths_free():
+    job = tomllib.loads(readme_job())
+    assert job["training"]["dataset"] == "lowbit_text"
+    # Nothing in it depends on the working directory but the outputs.
+    assert "dataset_path" not in job["training"] and "hf_assets_path" not in job["model"]
+    env, args = readme_cpu_launch()
+    assert args[args.index("--job.config_file") + 1] == "my_job.toml"
+
+
+def _run(cmd, **kwargs) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def test_non_editable_install_trains_readme_job_from_an_empty_directory(tmp_path):
+    try:
+        _install_prepare_and_train(tmp_path, readme_job())
+    finally:  # the environment, corpus and outputs: tens of MB, not kept for later runs
+        shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _install_prepare_and_train(tmp_path: Path, job_text: str) -> None:
+    top_before = {p.name for p in ROOT.iterdir()}
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)])
+    python = str(venv / "bin" / "python")
+    # A user's environment: no PYTHONPATH into a clone, no test settings, an empty cache.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "TITAN_LOWBIT_DATA", "TITAN_LOWBIT_DEVICE",
+                        "TRITON_INTERPRET", "OMP_NUM_THREADS")}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+    # torch and torchtitan come from the system; titan_lowbit is built and copied in.
+    _run([python, "-m", "pip", "install", "--no-deps", "--quiet", str(ROOT)], env=env)
+    assert {p.name for p in ROOT.iterdir()} == top_before, "the install left files in the tree"
+    site = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                     env=env).stdout.strip())
+    assert (site / "titan_lowbit" / "kernels" / "__init__.py").is_file()
+    assert (site / "titan_lowbit" / "prepare_data.py").is_file()
+    assert not (site / "kernels").exists(), "kernels/ installed as a top-level module"
+    # scripts/train.sh runs from the clone's root, where the clone's titan_lowbit comes
+    # first: it must be whole there too.
+    _run([python, "-c", "import titan_lowbit.kernels.quant_maps"], cwd=ROOT, env=env)
+
+    work = tmp_path / "job"
+    work.mkdir()
+    where = _run([python, "-c", "import titan_lowbit.kernels as k; print(k.__file__)"],
+                 cwd=work, env=env).stdout.strip()
+    assert where.startswith(str(site)), f"imported {where}, not the installed copy"
+    # The packaged data step (a smaller corpus than the default's 24 MB, for time).
+    _run([python, "-m", "titan_lowbit.prepare_data", "--max-bytes", "1500000"], cwd=work, env=env)
+    data = tmp_path / "cache" / "titan_lowbit" / "lowbit_text"
+    assert (data / "tokenizer" / "tokenizer.json").is_file()
+
+    (work / "my_job.toml").write_text(job_text)
+    launch_env, args = readme_cpu_launch()
+    # torchrun from the virtual environment (the system's `torchrun` would run the system's
+    # Python); a few short steps, each logged.
+    steps = 2
+    proc = _run([python, "-m", "torch.distributed.run", *args, "--training.steps", str(steps),
+                 "--training.seq_len", "64", "--training.local_batch_size", "2",
+                 "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1",
+                 "--metrics.disable_color_printing"],
+                cwd=work, env={**env, **launch_env}, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert sorted(step_losses(out)) == list(range(1, steps + 1)), out[-4000:]
+    assert f"using the tokenizer of lowbit_text, {data / 'tokenizer'}" in out
+    assert sorted(p.name for p in work.iterdir()) == ["my_job.toml", "outputs"]

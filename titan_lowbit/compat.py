@@ -1,0 +1,154 @@
+"""The private APIs of torch, Triton, Inductor and torchtitan that titan_lowbit uses, what
+each buys, and the versions it was tested with.
+
+A private name can change in any release. The uses whose gain is speed or a safety check
+around torchtitan ask :func:`private_api_ok` first; it says no when the installed version
+of that library is outside ``TESTED`` (or when ``TITAN_LOWBIT_PRIVATE_APIS=0`` asks for
+the public paths, e.g. to rule the hooks out while debugging). Then the public path is
+taken, same results, and one log line per library names the version and the tested range.
+The remaining uses (``STRUCTURAL``) are how torch tensor subclasses and DTensor code are
+written; they have no public equivalent and are covered by the torch range that
+pyproject.toml declares.
+
+This module imports nothing from titan_lowbit, so every layer (kernels included) may use it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+
+logger = logging.getLogger(__name__)
+
+# Versions run here: torch 2.13 + triton 3.9 (CI, CPU, kernels under Triton's interpreter
+# and compiled for sm_90 without a GPU), torch 2.11 + triton 3.6 (the H100 hosts),
+# torchtitan 0.2.2 (both). Inclusive, compared on (major, minor) for torch and Triton.
+TESTED = {
+    "torch": ((2, 11), (2, 13)),
+    "triton": ((3, 6), (3, 9)),
+    "torchtitan": ((0, 2, 2), (0, 2, 2)),
+}
+ENV = "TITAN_LOWBIT_PRIVATE_APIS"
+
+
+@dataclass(frozen=True)
+class PrivateUse:
+    library: str
+    where: str
+    what: str
+    buys: str
+    public_path: str  # what runs instead when private_api_ok says no
+
+
+FENCED = (
+    PrivateUse("triton", "kernels/bitnet_launch.py (FastKernel)",
+               "a compiled kernel's launcher (CompiledKernel.run, .function, .packed_metadata), "
+               "JITFunction.params, triton.runtime.driver",
+               "BitNet launches without JITFunction.run's per-call binding: tens of us of host "
+               "time per launch, five to seven launches per layer and step",
+               "kernel[grid](...) through Triton"),
+    PrivateUse("triton", "kernels/adamw_lowbit.py (FusedAdamW.launch)",
+               "the CompiledKernel that kernel[grid](...) returns, launched again by "
+               "compiled[(grid, 1, 1)](*args)",
+               "about half of the host time of each fused AdamW launch",
+               "kernel[grid](...) through Triton"),
+    PrivateUse("torch", "titan_lowbit/bitnet/row_reductions.py",
+               "torch._inductor: config.inductor_choices_class, InductorChoices, "
+               "V.set_choices_handler, MemoryDep, ReductionHint",
+               "persistent (one-read) row reductions for BitNet's fused row quantizations "
+               "under torch.compile: 12-29% faster norm and SwiGLU kernels on the 1B model",
+               "Inductor's own choices ([lowbit] bitnet_persistent_rows has no effect)"),
+    PrivateUse("torchtitan", "titan_lowbit/checkpoint.py (register)",
+               "CheckpointManager.dcp_load, dcp_save and _find_load_step, wrapped",
+               "checkpoint safety: CRC and size verification and layout checks before a "
+               "load, atomic synchronous saves, a warning for incomplete step folders",
+               "torchtitan's checkpointing unchanged, without those checks"),
+    PrivateUse("torchtitan", "titan_lowbit/config.py (_install_key_check)",
+               "ConfigManager._dict_to_dataclass, wrapped",
+               "an unknown TOML key is named with the valid keys of its section (torchtitan "
+               "names the key and points to a script of its own repository)",
+               "torchtitan's own message"),
+    PrivateUse("torchtitan", "titan_lowbit/converters.py (register)",
+               "torchtitan.protocols.model_converter._registry_model_converter_cls, "
+               "replaced by a dict subclass with the same contents",
+               "an unknown [model] converters name is a ValueError listing the registered "
+               "ones instead of a bare KeyError",
+               "torchtitan's KeyError"),
+)
+
+STRUCTURAL = (
+    PrivateUse("torch", "titan_lowbit/bitnet/weight.py",
+               "torch.Tensor._make_wrapper_subclass, func._schema, torch._C."
+               "DisableTorchFunctionSubclass, torch.autograd._unsafe_preserve_version_counter, "
+               "torch.utils._pytree, aten._to_copy/_unsafe_view/_pin_memory",
+               "the BitNet weight tensor subclasses and their FSDP2 all-gather extension",
+               "none"),
+    PrivateUse("torch", "titan_lowbit/bitnet/*.py, titan_lowbit/optim/adamw.py",
+               "DTensor._local_tensor",
+               "the persistent local tensor of a DTensor (to_local() returns a fresh view, "
+               "which cannot carry per-weight caches)",
+               "none"),
+    PrivateUse("torch", "titan_lowbit/bitnet/weight.py, titan_lowbit/optim/adamw.py",
+               "torch._foreach_norm, torch._foreach_copy_",
+               "one launch for the norms of all weights instead of one per weight",
+               "none"),
+    PrivateUse("torch", "titan_lowbit/bitnet/ops.py, titan_lowbit/bitnet/tensor_parallel.py",
+               "torch.distributed._functional_collectives, torch._subclasses.fake_tensor.is_fake, "
+               "torch._prims_common.make_contiguous_strides_for",
+               "collectives and shape checks that torch.compile can trace",
+               "none"),
+    PrivateUse("torch", "titan_lowbit/optim/adamw.py",
+               "torch.distributed.tensor._utils.compute_local_shape_and_global_offset",
+               "the global offset of a DTensor shard (stochastic-rounding streams that do not "
+               "depend on the sharding)",
+               "none"),
+)
+
+
+@functools.lru_cache(maxsize=None)
+def installed(library: str) -> tuple[int, ...] | None:
+    """The installed version of ``library`` as integers (local suffixes dropped), or None."""
+    text = getattr(sys.modules.get(library), "__version__", None)
+    if text is None:
+        try:
+            text = metadata.version(library)
+        except metadata.PackageNotFoundError:
+            return None
+    return tuple(int(p) for p in re.findall(r"\d+", text.split("+")[0])[:3])
+
+
+def tested(library: str) -> bool:
+    """Whether the installed ``library`` is inside its ``TESTED`` range."""
+    version = installed(library)
+    if version is None:
+        return False
+    low, high = TESTED[library]
+    return low <= version[:len(low)] <= high
+
+
+_told: set[str] = set()
+
+
+def private_api_ok(library: str) -> bool:
+    """Whether the fenced private uses of ``library`` may run: its installed version is
+    tested and ``TITAN_LOWBIT_PRIVATE_APIS`` is not 0. The first no per library is logged."""
+    if os.environ.get(ENV, "1") == "0":
+        reason = f"{ENV}=0"
+    elif tested(library):
+        return True
+    else:
+        low, high = TESTED[library]
+        found = ".".join(map(str, installed(library) or ())) or "not installed"
+        reason = (f"{library} {found} is outside the tested range "
+                  f"{'.'.join(map(str, low))} to {'.'.join(map(str, high))}")
+    if library not in _told:
+        _told.add(library)
+        uses = "; ".join(u.where for u in FENCED if u.library == library)
+        logger.warning("titan_lowbit: %s: taking the public paths instead of %s's private APIs (%s)",
+                       reason, library, uses)
+    return False

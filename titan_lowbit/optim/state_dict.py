@@ -1,0 +1,187 @@
+"""What ``LowBitAdamW.load_state_dict`` checks in a state dict before it changes anything.
+
+A loaded state goes straight into the fused step, which trusts it: a NaN scale, a missing
+``step`` (bias correction and the stochastic-rounding stream restart at 0) or a state of
+another shape would turn into wrong or non-finite weights with no error. So every entry of
+every parameter's state is checked first, and a refusal names the parameter and the entry:
+
+* structure: the entries the parameter's layout needs (``exp_avg_codes``, ``master``, ...,
+  and ``step``), nothing else, each a tensor of the expected dtype and (global) shape; a
+  DTensor state needs a DTensor entry with the same placements and local shape;
+* ``step``: one finite, whole, non-negative number;
+* values: scales (absmax) finite and >= 0; plain moments, master weights and Kahan
+  compensation finite, second moments >= 0; codes that decode to a number (fp8: no NaN
+  code; a second moment's codes not negative). These need a pass over the state, done
+  per device with one host sync; under a process group every rank learns every rank's
+  findings (one small all-reduce), so all ranks refuse together.
+
+Values checked here are the loaded ones as given; under ``torch.distributed.checkpoint``
+the loader has already written them into the optimizer's own tensors (it loads in place),
+so there a refusal leaves the optimizer holding the checkpoint's values: load it again
+from a good checkpoint, or build the optimizer afresh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from titan_lowbit.kernels.quant_maps import CODEC_FP8_E4M3
+
+# How the values of an entry are checked (see value_problem).
+SCALE = "scale"  # absmax: finite, >= 0
+SIGNED = "signed"  # first moment, master weight, Kahan compensation: finite
+SQUARE = "square"  # plain second moment: finite, >= 0
+CODES = "codes"  # codes of a first moment
+SQUARE_CODES = "square codes"  # codes of a second moment (decode to >= 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class EntrySpec:
+    """One tensor of a parameter's state as this optimizer holds it."""
+
+    shape: tuple[int, ...]  # global shape (the parameter's, for a DTensor state)
+    local_shape: tuple[int, ...]
+    dtype: torch.dtype
+    check: str  # one of SCALE, SIGNED, SQUARE, CODES, SQUARE_CODES
+    codec: int = 0  # the codes' codec (CODES / SQUARE_CODES)
+
+
+def check_kind(key: str) -> str:
+    """How the values of state entry ``key`` are checked."""
+    if key.endswith("_absmax"):
+        return SCALE
+    if key.endswith("_codes"):
+        return SQUARE_CODES if key.startswith("exp_avg_sq") else CODES
+    return SQUARE if key == "exp_avg_sq" else SIGNED
+
+
+def check_step(name: str, value: Any) -> float:
+    """The step count of a loaded state, as a float; refused unless one finite, whole,
+    non-negative number."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex():
+            raise ValueError(f"param '{name}': the state dict's 'step' is a tensor of shape "
+                             f"{tuple(value.shape)}; it must hold one number (the parameter's step count)")
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0 or value != int(value):
+        raise ValueError(f"param '{name}': the state dict's 'step' is {value!r}; it must be a whole "
+                         "number >= 0 (the parameter's step count). The state dict is damaged: load "
+                         "another checkpoint")
+    return float(value)
+
+
+def check_structure(name: str, state: Any, specs: dict[str, EntrySpec], sharded: Optional[DTensor],
+                    layout: str) -> None:
+    """Refuse a parameter's loaded ``state`` whose entries are not those of ``specs``
+    (plus ``step``), or not tensors of their dtype and shape. ``sharded``: the state
+    tensor this optimizer holds for one entry if it holds DTensors (placements compared);
+    ``layout``: the optimizer settings that gave ``specs``, for the errors."""
+    if not isinstance(state, dict):
+        raise ValueError(f"param '{name}': its state in the state dict is a {type(state).__name__}, not a "
+                         "dict of state entries; the state dict is damaged or not an optimizer's")
+    expected = set(specs) | {"step"}
+    missing = sorted(expected - set(state))
+    if missing:
+        raise ValueError(
+            f"param '{name}': the state dict's state for it has no {missing} (it has {sorted(state)}); "
+            + ("without 'step' its bias correction and stochastic-rounding stream would restart at 0. "
+               if "step" in missing else "")
+            + f"The state dict is incomplete or was saved with other optimizer settings than {layout}: load "
+            "a complete one saved with these settings, or start the optimizer state afresh")
+    extra = sorted(set(state) - expected, key=str)
+    if extra:
+        raise ValueError(f"param '{name}': the state dict's state for it holds {extra}, which this "
+                         f"optimizer's layout ({layout}) has no place for (it holds {sorted(expected)}): it "
+                         "was saved with other optimizer settings; build the optimizer with those to load it")
+    for key, spec in specs.items():
+        value = state[key]
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"param '{name}': state entry '{key}' is a {type(value).__name__}, not a tensor")
+        if value.dtype != spec.dtype or tuple(value.shape) != spec.shape:
+            raise ValueError(
+                f"param '{name}': the loaded optimizer state entry '{key}' is {value.dtype} of shape "
+                f"{tuple(value.shape)}, which does not match {layout} (expected {spec.dtype} of shape "
+                f"{spec.shape}): the parameter's shape or the optimizer settings differ from those the state "
+                "dict was saved with; load with the model and optimizer settings it was saved with")
+        if (sharded is not None) != isinstance(value, DTensor):
+            have = "DTensor (sharded)" if sharded is not None else "plain tensor"
+            raise ValueError(
+                f"param '{name}': state entry '{key}' is a {type(value).__name__} where this optimizer holds a "
+                f"{have}; load a sharded optimizer state through torch.distributed.checkpoint "
+                "(set_optimizer_state_dict), which reshards it")
+        if sharded is not None and (value.placements != sharded.placements
+                                    or tuple(value._local_tensor.shape) != spec.local_shape):
+            raise ValueError(
+                f"param '{name}': state entry '{key}' is sharded as {value.placements} with local shape "
+                f"{tuple(value._local_tensor.shape)}, this optimizer's as {sharded.placements} with "
+                f"{spec.local_shape}; load it through torch.distributed.checkpoint, which reshards it")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def value_problem(value: torch.Tensor, spec: EntrySpec) -> torch.Tensor:
+    """A 0-d bool tensor on ``value``'s device: whether any element is invalid for its
+    kind (no host sync)."""
+    x = _local(value)
+    if spec.check in (CODES, SQUARE_CODES):
+        if spec.codec != CODEC_FP8_E4M3:  # every code of the 8-bit and 4-bit maps decodes to a number
+            return torch.zeros((), dtype=torch.bool, device=x.device)
+        bits = x.view(torch.uint8)
+        bad = (bits & 0x7F) == 0x7F  # e4m3fn's NaN codes
+        if spec.check == SQUARE_CODES:  # a negative second moment (-0 is harmless)
+            bad |= bits > 0x80
+        return bad.any()
+    bad = ~torch.isfinite(x)
+    if spec.check in (SCALE, SQUARE):
+        bad |= x < 0
+    return bad.any()
+
+
+def find_value_problems(checks: list[tuple[torch.Tensor, EntrySpec]], distributed: bool) -> list[bool]:
+    """For every (loaded tensor, spec): whether its values are invalid, on any rank when
+    ``distributed`` (all ranks must call it with checks in the same order)."""
+    by_device: dict[torch.device, list[int]] = {}
+    flags = [False] * len(checks)
+    for i, (value, _) in enumerate(checks):
+        if _local(value).numel():
+            by_device.setdefault(_local(value).device, []).append(i)
+    for idx in by_device.values():
+        found = torch.stack([value_problem(*checks[i]) for i in idx]).cpu().tolist()
+        for i, bad in zip(idx, found):
+            flags[i] = bool(bad)
+    if distributed and checks:
+        import torch.distributed as dist
+
+        device = torch.device("cpu")
+        if dist.get_backend() != "gloo":
+            device = torch.device("cuda", torch.cuda.current_device())
+        world = torch.tensor(flags, dtype=torch.int32, device=device)
+        dist.all_reduce(world, op=dist.ReduceOp.MAX)
+        flags = [bool(f) for f in world.cpu().tolist()]
+    return flags
+
+
+PROBLEM = {
+    SCALE: "non-finite or negative scales (absmax)",
+    SIGNED: "non-finite values",
+    SQUARE: "non-finite or negative second moments",
+    CODES: "codes that decode to no number (NaN codes)",
+    SQUARE_CODES: "codes that decode to no number or to a negative second moment",
+}
+
+
+def value_error(name: str, key: str, spec: EntrySpec) -> ValueError:
+    return ValueError(
+        f"param '{name}': state entry '{key}' of the state dict holds {PROBLEM[spec.check]} (on this or "
+        "another rank); the next step would write non-finite weights. The checkpoint is damaged: load "
+        "another one, or start the optimizer state afresh")
