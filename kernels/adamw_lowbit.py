@@ -531,7 +531,11 @@ def _store_state(x, absmax, base, sbase, soff, tab, etab, eptr_off, cptr_off, bi
     else:
         if not EVEN:
             x = tl.where(emask, x, 0.0)
-        inv = _recip(tl.where(absmax > 0, absmax, 1.0), HW_CAST)
+        # 1 / absmax; 0 for a block whose largest value is below fp32's smallest normal
+        # (its reciprocal would overflow, and 0 * inf code a nan): its codes are those of 0
+        # (far below eps, such a moment does not change the update)
+        normal = absmax >= 1.1754943508222875e-38
+        inv = tl.where(normal, _recip(tl.where(normal, absmax, 1.0), HW_CAST), 0.0)
         codes = _encode(x, inv, tab, etab, CODEC, HW_CAST, SMEM)
         if ZERO_FREE and CODEC == _K_CODEC_FP8_E4M3:
             codes = tl.maximum(codes, (x > 0).to(tl.int32))  # SMALLEST_POSITIVE_CODE

@@ -222,7 +222,9 @@ def quantize_blockwise(x: torch.Tensor, codec: int, block: int,
     xp[:, :cols] = x
     xb = xp.view(rows, bpr, block)
     absmax = xb.abs().amax(dim=-1)
-    inv = div_rn(torch.ones_like(absmax), torch.where(absmax > 0, absmax, torch.ones_like(absmax)))
+    normal = absmax >= torch.finfo(torch.float32).tiny  # below: the codes of 0 (as the kernel)
+    inv = torch.where(normal, div_rn(torch.ones_like(absmax), torch.where(normal, absmax, torch.ones_like(absmax))),
+                      torch.zeros_like(absmax))
     if codec == CODEC_LIN4_NOZERO:  # the kernel folds the 16 of the code book into 1 / absmax
         codes = _lin4_encode(xb, (inv * 16.0)[..., None]).view(rows, bpr * block)
     else:

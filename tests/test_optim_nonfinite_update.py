@@ -153,3 +153,25 @@ def test_kernel_guard_matches_reference_on_an_overflowing_square(fmt, pdtype, up
                 if getattr(x, name) is not None:
                     assert torch.equal(getattr(x, name), getattr(y, name)), f"step {step}: {name} differs"
                     assert bool(getattr(x, name).float().isfinite().all())
+
+
+@pytest.mark.parametrize("fmt", ["8bit", "4bit", "fp8"])
+def test_tiny_gradients_with_subnormal_second_moments_stay_finite(fmt):
+    """|g| = 1e-20: v = 1e-43 is subnormal, and so is its block's largest, whose reciprocal
+    overflows fp32 (fp8 then coded 0 * inf = nan into the state). Such a block is coded as
+    zeros; the weights move like torch.optim.AdamW's (the update is m / eps there)."""
+    g = torch.zeros(2, 256)
+    g[0, :8], g[0, 8] = 1e-20, 3e-20
+    ws = []
+    for make in (lambda w: torch.optim.AdamW([w], lr=1e-3, weight_decay=0.0),
+                 lambda w: LowBitAdamW([("w", w)], lr=1e-3, weight_decay=0.0, state_format=fmt, min_quantized_numel=0)):
+        w = torch.nn.Parameter(torch.zeros(2, 256))
+        opt = make(w)
+        for _ in range(3):
+            w.grad = g.clone()
+            opt.step()
+        if isinstance(opt, LowBitAdamW):
+            opt.check_nonfinite()
+            assert all(bool(v.float().isfinite().all()) for k, v in opt.state[w].items() if k != "step")
+        ws.append(w.detach())
+    torch.testing.assert_close(ws[1], ws[0], rtol=0.05, atol=1e-18)
