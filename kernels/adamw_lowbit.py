@@ -34,9 +34,11 @@ Math, per element, all in fp32 (llm.c style; names as in the code)::
                                    (a NaN w gives a quiet NaN p), the rounding a 16-bit remainder can
                                    pair with exactly (_master_split); both modes use it, so they give
                                    the same weights, masters and states
-    guard:    (NonfiniteGuard) a block whose new m is not finite (its gradient holds an
-              inf/nan) is not written at all (weight, moments, their absmax, extra state keep
-              their values) and flags[tensor] = tag
+              v is zero-free: a positive v is never coded 0 (quant_maps.py)
+    guard:    (NonfiniteGuard) a block where the step would write a non-finite value (new m,
+              v or p_new not finite) is not written at all (weight, moments, their absmax,
+              extra state keep their values) and flags[tensor] = tag (m not finite: an
+              inf/nan gradient) or -tag (m finite, v or p_new not: an overflowing update)
 
 The pure-PyTorch twin of this kernel is ``adamw_lowbit_ref.py``; both use the codec tables of
 ``quant_maps.py`` (dynamic-tree codes: value table to decode, bucket table + one midpoint
@@ -528,9 +530,11 @@ def _block_absmax(x, emask, EVEN: tl.constexpr, NAN: tl.constexpr):
 @triton.jit
 def _store_state(x, absmax, base, sbase, soff, tab, etab, eptr_off, cptr_off, bidx, bmask, emask, cmask,
                  CODEC: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr, EVEN: tl.constexpr,
-                 HW_CAST: tl.constexpr, SMEM: tl.constexpr):
+                 HW_CAST: tl.constexpr, SMEM: tl.constexpr, ZERO_FREE: tl.constexpr = False):
     """Store one moment of a tile: plain, or re-quantized with each block's new absmax
-    (``_block_absmax`` of x; unused for plain states)."""
+    (``_block_absmax`` of x; unused for plain states). ZERO_FREE (the second moment): a
+    positive value is never coded 0 (quant_maps.py: the 8-bit unsigned map does it in its
+    tables, fp8 here)."""
     if CODEC == _K_CODEC_NONE:
         if base.dtype.element_ty == tl.bfloat16:
             _st(base + eptr_off, _bf16_rne(x, HW_CAST), emask, EVEN)
@@ -539,8 +543,14 @@ def _store_state(x, absmax, base, sbase, soff, tab, etab, eptr_off, cptr_off, bi
     else:
         if not EVEN:
             x = tl.where(emask, x, 0.0)
-        inv = _recip(tl.where(absmax > 0, absmax, 1.0), HW_CAST)
+        # 1 / absmax; 0 for a block whose largest value is below fp32's smallest normal
+        # (its reciprocal would overflow, and 0 * inf code a nan): its codes are those of 0
+        # (far below eps, such a moment does not change the update)
+        normal = absmax >= 1.1754943508222875e-38
+        inv = tl.where(normal, _recip(tl.where(normal, absmax, 1.0), HW_CAST), 0.0)
         codes = _encode(x, inv, tab, etab, CODEC, HW_CAST, SMEM)
+        if ZERO_FREE and CODEC == _K_CODEC_FP8_E4M3:
+            codes = tl.maximum(codes, (x > 0).to(tl.int32))  # SMALLEST_POSITIVE_CODE
         _st(sbase + soff + bidx, absmax, bmask, EVEN)
         if CODEC == _K_CODEC_DYN4_SIGNED or CODEC == _K_CODEC_LIN4_NOZERO:
             lo, hi = tl.split(tl.reshape(codes, [NB, QBLOCK // 2, 2]))
@@ -642,7 +652,8 @@ def _step_tile(tiles_ptr, t, meta_ptr, grad_offsets_ptr, tab_m, tab_v, etab_m, e
     """The AdamW step of tile ``t``: load gradient, weight (with fp32 master weights only
     the master: the bf16 copy is only written), extra state and both moments; dequantize,
     update in fp32, re-quantize with each block's new absmax, write states and weight.
-    GUARD: blocks whose gradient holds an inf/nan are not written, and flag their tensor."""
+    GUARD: blocks where a new moment or weight is not finite are not written, and flag
+    their tensor (NonfiniteGuard)."""
     slot, meta, bidx, e_start, eoff, coff, bmask, emask, cmask = _tile_where(
         tiles_ptr, t, meta_ptr, QBLOCK, NB, CBLOCK, EVEN, ALIGNED)
     PARAM_BF16: tl.constexpr = p_base.dtype.element_ty == tl.bfloat16
@@ -679,25 +690,34 @@ def _step_tile(tiles_ptr, t, meta_ptr, grad_offsets_ptr, tab_m, tab_v, etab_m, e
     else:
         p_new = p - upd
 
-    # ---- guard: a block whose new m is not finite (its gradient holds an inf/nan) ------
-    # is not written, and flags its tensor. Found by the block absmax that m's quantization
-    # takes anyway, made nan-propagating; the flag is one masked store per block (no
+    # ---- guard: a block where the step would write a non-finite value is not written --
+    # and flags its tensor: +tag where the new m is not finite (an inf/nan gradient, or a
+    # non-finite m state), -tag where m is finite but the new v or weight is not (a
+    # finite gradient whose square overflows, |g| >= 2**64; a non-finite v state or
+    # weight; 0 / 0 with eps = 0). Found by the block absmaxes that the quantization takes
+    # anyway, made nan-propagating: m's, and v's taken over v + p_new * 0 (the same value
+    # where p_new is finite, nan where not: one multiply-add; the master weight is p_new,
+    # the Kahan buffer follows from it). The flag is one masked store per block (no
     # reduction across warps). Stores are then always masked. (The codes computed for such
     # a block are never stored; the encoders mask every table index into range, so a nan
     # reads no memory outside the tables.)
     ST_EVEN: tl.constexpr = EVEN and not GUARD
     m_abs = _block_absmax(m, emask, EVEN, GUARD)
     if GUARD:
-        ok = m_abs < float("inf")
-        tl.store(flags_ptr + tl.load(meta + _K_META_FLAG) + bidx * 0, flag_tag + bidx * 0, mask=bmask & ~ok)
+        v_abs = _block_absmax(v + p_new * 0.0, emask, EVEN, True)
+        m_ok = m_abs < float("inf")
+        ok = m_ok & (v_abs < float("inf"))
+        tag = tl.where(m_ok, -flag_tag, flag_tag)
+        tl.store(flags_ptr + tl.load(meta + _K_META_FLAG) + bidx * 0, tag, mask=bmask & ~ok)
         bmask = bmask & ok
         emask = emask & ok[:, None]
         cmask = cmask & ok[:, None]
-    v_abs = _block_absmax(v, emask, EVEN, False)
+    else:
+        v_abs = _block_absmax(v, emask, EVEN, False)
     _store_state(m, m_abs, m_base, ms_base, tl.load(meta + _K_META_MSCALE), tab_m, etab_m, eoff, coff, bidx,
                  bmask, emask, cmask, M_CODEC, NB, QBLOCK, ST_EVEN, HW_CAST, M_SMEM)
     _store_state(v, v_abs, v_base, vs_base, tl.load(meta + _K_META_VSCALE), tab_v, etab_v, eoff, coff, bidx,
-                 bmask, emask, cmask, V_CODEC, NB, QBLOCK, ST_EVEN, HW_CAST, V_SMEM)
+                 bmask, emask, cmask, V_CODEC, NB, QBLOCK, ST_EVEN, HW_CAST, V_SMEM, True)
 
     # ---- weight write ------------------------------------------------------------------
     if not PARAM_BF16:
@@ -881,11 +901,16 @@ class AdamWTensor:
 
 @dataclasses.dataclass
 class NonfiniteGuard:
-    """The step's check of the gradients for inf/nan, done where the kernel loads them
-    (no extra read, no host sync): a quantization block whose gradient holds one is not
-    written (its weights, moments, absmax and extra state keep their values), and
-    ``flags[t.flag_index] = tag`` for its tensor. A new tag per step, so the flags need
-    no clearing: the caller reads them when it likes and compares with the tag."""
+    """The step's check that it writes nothing non-finite, done on values the kernel
+    computes anyway (no extra read, no host sync): a quantization block where a new first
+    or second moment or weight would be inf/nan is not written (its weights, moments,
+    absmax and extra state keep their values), and its tensor is flagged:
+    ``flags[t.flag_index] = tag`` where the new first moment is not finite (an inf/nan
+    gradient, or a non-finite first-moment state), ``-tag`` where it is finite but the
+    second moment or the weight is not (a finite gradient whose square overflows fp32,
+    ``|g| >= 2**64``; a non-finite second-moment state or weight; ``0 / 0`` with eps 0). A
+    new tag per step, so the flags need no clearing: the caller reads them when it likes
+    and compares their absolute value with the tag."""
 
     flags: torch.Tensor  # int32, on the tensors' device, one entry per flag_index
     tag: int  # 1 <= tag < 2**31

@@ -213,12 +213,15 @@ def decode(code: torch.Tensor, codec: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------
 # row-wise block layout
 # ---------------------------------------------------------------------------------------
-def quantize_blockwise(x: torch.Tensor, codec: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise(x: torch.Tensor, codec: int, block: int,
+                       zero_free: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a [rows, cols] fp32 tensor in blocks of ``block`` along each row.
 
     Returns ``(codes, absmax)``: codes uint8 ``[rows, cols]`` (4-bit codecs: two per byte,
     element ``2i`` in the low nibble, ``[rows, ceil(cols / 2)]``, an odd row padded with the
     code of 0), absmax fp32 ``[rows, ceil(cols / block)]``. A block never spans two rows.
+    ``zero_free``: a second moment, whose positive values are never coded 0 (quant_maps.py;
+    the 8-bit unsigned map is zero-free through its tables, the flag acts on fp8).
     """
     rows, cols = x.shape
     bpr = -(-cols // block)
@@ -226,11 +229,16 @@ def quantize_blockwise(x: torch.Tensor, codec: int, block: int) -> tuple[torch.T
     xp[:, :cols] = x
     xb = xp.view(rows, bpr, block)
     absmax = xb.abs().amax(dim=-1)
-    inv = div_rn(torch.ones_like(absmax), torch.where(absmax > 0, absmax, torch.ones_like(absmax)))
+    normal = absmax >= torch.finfo(torch.float32).tiny  # below: the codes of 0 (as the kernel)
+    inv = torch.where(normal, div_rn(torch.ones_like(absmax), torch.where(normal, absmax, torch.ones_like(absmax))),
+                      torch.zeros_like(absmax))
     if codec == CODEC_LIN4_NOZERO:  # the kernel folds the 16 of the code book into 1 / absmax
         codes = _lin4_encode(xb, (inv * 16.0)[..., None]).view(rows, bpr * block)
     else:
-        codes = encode(xb * inv[..., None], codec).view(rows, bpr * block)
+        codes = encode(xb * inv[..., None], codec)
+        if zero_free and codec == CODEC_FP8_E4M3:
+            codes = torch.maximum(codes, (xb > 0).to(codes.dtype))  # SMALLEST_POSITIVE_CODE
+        codes = codes.view(rows, bpr * block)
     if codec in PACKED_4BIT:
         nbytes = (cols + 1) // 2
         pairs = codes[:, : 2 * nbytes].view(rows, nbytes, 2)
@@ -277,13 +285,21 @@ def _write(dst: torch.Tensor, new: torch.Tensor, keep: Optional[torch.Tensor]) -
     dst.copy_(new.view(dst.shape))
 
 
+def _blocks_all(cfg: AdamWConfig, t: AdamWTensor, ok: torch.Tensor) -> torch.Tensor:
+    """[rows, blocks]: whether ``ok`` ([rows, cols]) holds for every element of a block."""
+    bpr = -(-t.cols // cfg.block)
+    padded = torch.ones(t.rows, bpr * cfg.block, dtype=torch.bool, device=ok.device)
+    padded[:, :t.cols] = ok
+    return padded.view(t.rows, bpr, cfg.block).all(dim=2)
+
+
 def _store_moment(cfg: AdamWConfig, t: AdamWTensor, state: torch.Tensor, scale: Optional[torch.Tensor],
-                  codec: int, x: torch.Tensor, keep: Optional[torch.Tensor]) -> None:
+                  codec: int, x: torch.Tensor, keep: Optional[torch.Tensor], zero_free: bool = False) -> None:
     if codec == CODEC_NONE:
         val = bf16_rne(x) if cfg.state_bf16 else x
         _write(state, val, None if keep is None else _block_cols(keep, t.cols, cfg.block))
         return
-    codes, absmax = quantize_blockwise(x, codec, cfg.block)
+    codes, absmax = quantize_blockwise(x, codec, cfg.block, zero_free)
     codes = codes.reshape(t.rows, -1)
     per_block = cfg.block // 2 if codec in PACKED_4BIT else cfg.block
     _write(state, codes, None if keep is None else _block_cols(keep, codes.shape[1], per_block))
@@ -331,19 +347,19 @@ def adamw_step_reference(cfg: AdamWConfig, tensors: Sequence[AdamWTensor], grads
         p_new = p * decay - upd if cfg.decoupled else p - upd
 
         keep = keep_elems = None  # [rows, blocks] / [rows, cols]: blocks left as they are
-        if guard is not None:  # blocks whose new m is not finite (an inf/nan in their gradient)
-            bpr = -(-t.cols // cfg.block)
-            padded = torch.ones(t.rows, bpr * cfg.block, dtype=torch.bool, device=dev)
-            padded[:, :t.cols] = torch.isfinite(m)
-            keep = ~padded.view(t.rows, bpr, cfg.block).all(dim=2)
+        if guard is not None:  # blocks where a new m, v or weight is not finite
+            m_ok = _blocks_all(cfg, t, torch.isfinite(m))
+            keep = ~(m_ok & _blocks_all(cfg, t, torch.isfinite(v) & torch.isfinite(p_new)))
             if bool(keep.any()):
-                guard.flags[t.flag_index] = guard.tag
+                # the kernel's flag: +tag (m not finite) or -tag (m finite, v or p_new not);
+                # its last block's store wins where both kinds are in one tensor
+                guard.flags[t.flag_index] = -guard.tag if bool(m_ok[keep].flatten()[-1]) else guard.tag
                 keep_elems = _block_cols(keep, t.cols, cfg.block)
             else:
                 keep = None
 
         _store_moment(cfg, t, t.exp_avg, t.exp_avg_scale, cfg.m_codec, m, keep)
-        _store_moment(cfg, t, t.exp_avg_sq, t.exp_avg_sq_scale, cfg.v_codec, v, keep)
+        _store_moment(cfg, t, t.exp_avg_sq, t.exp_avg_sq_scale, cfg.v_codec, v, keep, zero_free=True)
 
         if not bf16_param:
             out = p_new

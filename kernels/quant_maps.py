@@ -26,6 +26,20 @@ an integer code and back:
   second-moment map of arXiv 2309.01507 (no zero, so ``1/sqrt(v)`` never explodes).
 * ``CODEC_FP8_E4M3`` -- FP8 e4m3 (the ``float8_e4m3fn`` bit layout) of ``x * 448``.
 
+Second moments are coded zero-free: the encoder of a second moment never codes a positive
+value as 0, it gives the smallest positive code (code 1) to any positive value whose nearest
+code is 0, and codes only an exact 0 (or a nan) as 0. The code books and the stored layout
+are those above; only the encoder's rounding below the smallest code changes. Why: with
+``v`` coded 0 and ``m`` not, the update is ``lr * m / eps`` (arXiv 2309.01507's zero-point
+problem); a stored ``v`` is instead never below its true value by more than one code gap
+(``v_true / v_stored`` at most 3.25 for the 8-bit map, at most 1.5 for fp8 e4m3 and the
+4-bit linear map, which has no zero code). The 8-bit unsigned map (used for second moments
+only) is zero-free through its tables: the midpoint below code 1 is 0, so the one midpoint
+compare of the encoder gives code 1 to any positive value, at no cost. FP8 e4m3 codes both
+moments, so the kernel raises a second moment's code to at least 1 where the value is
+positive (``ZERO_FREE`` of ``_store_state`` in adamw_lowbit.py, ``zero_free`` of the
+reference's ``quantize_blockwise``).
+
 Stochastic rounding uses ``mix32`` (the 32-bit finalizer of MurmurHash3) keyed by the seed,
 the parameter's position in the optimizer, the step and the element's global index.
 """
@@ -45,6 +59,10 @@ CODEC_LIN4_NOZERO = 4
 CODEC_FP8_E4M3 = 5
 
 FP8_E4M3_MAX = 448.0
+# The smallest positive code of every codec (magnitude bits p = 1); what a second moment's
+# encoder writes for a positive value whose nearest code is 0 (see the module docstring).
+# The 4-bit linear map has no zero code and needs no such rule.
+SMALLEST_POSITIVE_CODE = 1
 
 # Magnitude bits of the dynamic-tree codecs; the sign (if any) sits just above them.
 DYN_MAGNITUDE_BITS = {CODEC_DYN8_SIGNED: 7, CODEC_DYN8_UNSIGNED: 8, CODEC_DYN4_SIGNED: 3}
@@ -153,6 +171,8 @@ def _dyn_tables(codec: int) -> tuple[torch.Tensor, torch.Tensor]:
     mids = ((mags[:-1] + mags[1:]) / 2).float()
     t[TABLE_MID:TABLE_MID + 2**M - 1] = mids
     t[TABLE_MID + 2**M - 1:] = float("inf")
+    if not signed:  # the second moment's map: zero-free encoder (module docstring): MID[0] = 0
+        t[TABLE_MID] = 0.0
     size, window = enc_size(codec), ENC_WINDOW[codec]
     if window & (window - 1) or window > size:
         raise AssertionError(f"codec {codec}: the kernel's window must be a power of two <= {size}")

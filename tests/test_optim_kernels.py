@@ -440,7 +440,8 @@ def test_hash_matches_host_definition():
 @pytest.mark.parametrize("codec", [Q.CODEC_DYN8_SIGNED, Q.CODEC_DYN8_UNSIGNED, Q.CODEC_DYN4_SIGNED,
                                    Q.CODEC_LIN4_NOZERO, Q.CODEC_FP8_E4M3])
 def test_codec_is_nearest_code(codec):
-    """encode() returns the nearest entry of the code book; decode() returns that entry."""
+    """encode() returns the nearest entry of the code book (the second moment's 8-bit map: a
+    positive value nearest to 0 gets the smallest positive code); decode() returns that entry."""
     book = Q.code_book(codec)
     codes = torch.arange(book.numel(), dtype=torch.int32)
     valid = book.isfinite()  # e4m3's two NaN codes are never produced
@@ -452,6 +453,11 @@ def test_codec_is_nearest_code(codec):
     x = torch.cat([x, book.float().abs(), torch.tensor([0.0, 1.0])])
     if signed:
         x = x * torch.where(torch.rand(x.shape, generator=gen) < 0.5, -1.0, 1.0)
+    if codec == Q.CODEC_DYN8_UNSIGNED:  # the second moment's map is zero-free (quant_maps.py)
+        x = torch.cat([x, torch.tensor([1e-45, 1e-30, 1e-9, 4.9e-8, 5e-8])])
+        low = (x > 0) & (x.double() <= book[1] / 2)
+        assert torch.all(book[R.encode(x[low], codec).long()] == book[1]) and int(R.encode(x[x == 0], codec).max()) == 0
+        x = x[~low]
     got = book[R.encode(x, codec).long()]
     dist = (book[None, :] - x.double()[:, None]).abs()
     best = dist.min(dim=1).values

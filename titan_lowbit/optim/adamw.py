@@ -32,7 +32,8 @@ from titan_lowbit.kernels.adamw_lowbit_ref import adamw_step_reference
 from titan_lowbit.kernels.quant_maps import is_block_size, tensor_key
 
 from .formats import SMALL_TENSOR_FORMAT, STATE_FORMATS, StateFormat, block_of
-from .nonfinite import DeferredNonfiniteCheck
+from .nonfinite import DeferredNonfiniteCheck, describe, precheck_launch, precheck_result
+from .second_moment import restore_second_moments
 from .state_dict import (
     EntrySpec,
     check_kind,
@@ -168,13 +169,16 @@ class LowBitAdamW(torch.optim.Optimizer):
             format's default.
         min_quantized_numel: parameters with fewer elements keep fp32 states.
         seed: key of the stochastic-rounding hash (with step and element index).
-        nonfinite_grad: "raise" (default): the kernels check each block's gradient as they
-            load it and leave a block holding an inf/nan unwritten (weight and states keep
-            their values); a later ``step()`` or ``state_dict()`` (at most two steps on), or
-            ``check_nonfinite()``, raises naming the parameter and the step, which the rest
-            of the model did take. "skip": check all gradients first (one more read of them
-            and a host sync) and skip the whole step, counted in ``skipped_steps``.
-            "ignore": no check; non-finite values reach the state.
+        nonfinite_grad: "raise" (default): the kernels check each block's new moments and
+            weight as they compute them and leave a block where one would be inf/nan
+            unwritten (an inf/nan gradient, a finite one whose square overflows fp32, a
+            non-finite state: weight and states keep their values); a later ``step()`` or
+            ``state_dict()`` (at most two steps on), or ``check_nonfinite()``, raises naming
+            the parameter, what was found and the step, which the rest of the model did
+            take. "skip": check all gradients (inf/nan, |g| >= 2**64) and the quantized
+            states' scales first (one more read of them and a host sync) and skip the whole
+            step, counted in ``skipped_steps``; the kernels' check still guards the rest
+            (and raises). "ignore": no check; non-finite values reach the state.
         amsgrad, maximize, foreach, capturable, differentiable, fused: torch.optim.AdamW's
             flags, accepted at torch's defaults; ``maximize=True`` is supported, any other
             value is refused naming the flag (see ``torch_flags``).
@@ -461,6 +465,8 @@ class LowBitAdamW(torch.optim.Optimizer):
         except BaseException:
             self.state, self.param_groups, self._master_pending = before
             raise
+        restore_second_moments((self._name(p), self._format(p, g)[0], {k: _local(v) for k, v in self.state[p].items()
+                                if isinstance(v, torch.Tensor)}) for g in self.param_groups for p in g["params"])
         self._deferred.clear()  # the loaded state replaces what any unread step did
         self._plans.clear()
         self._step_plan = None
@@ -572,32 +578,20 @@ class LowBitAdamW(torch.optim.Optimizer):
                              f"{tuple(_local(p).shape)}")
         return lg if lg.is_contiguous() else lg.contiguous()
 
-    @staticmethod
-    def _nonfinite_launch(grads: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
-        """Launch the non-finite check: per device, one fused max-abs pass over the
-        gradients and a flag per gradient (no host sync yet)."""
-        by_device: dict[torch.device, list[int]] = {}
-        for i, g in enumerate(grads):
-            by_device.setdefault(g.device, []).append(i)
-        flags = []
-        for idx in by_device.values():
-            idx[:] = [i for i in idx if grads[i].numel()]  # empty shards: nothing to check
-            if not idx:
-                continue
-            norms = torch._foreach_norm([grads[i] for i in idx], float("inf"), dtype=torch.float32)
-            flags.append((idx, torch.isfinite(torch.stack(norms))))
-        return flags
+    def _nonfinite_launch(self, plan: "_StepPlan", grads: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
+        """Launch the "skip" policy's check of the gradients and the quantized states'
+        scales (``nonfinite.precheck_launch``; no host sync yet)."""
+        scales = [[_local(st[k]) for k in ("exp_avg_absmax", "exp_avg_sq_absmax") if k in st]
+                  for st in map(self.state.__getitem__, plan.params)]
+        return precheck_launch(grads, scales)
 
     def _nonfinite_param(self, plan: "_StepPlan",
-                         flags: list[tuple[list[int], torch.Tensor]]) -> Optional[str]:
-        """Name of a parameter of ``plan`` with a non-finite gradient, '' if only another
-        rank has one, None if all are finite (the host sync of the check)."""
-        bad_local: Optional[int] = None
+                         flags: list[tuple[list[int], torch.Tensor]]) -> tuple[Optional[str], str]:
+        """(name of a parameter of ``plan`` whose step would write an inf/nan, '' if only
+        another rank has one, None if none has; what was found) (the host sync of the check)."""
+        found = precheck_result(flags)
+        bad_local = None if found is None else found[0]
         params = plan.params
-        for idx, finite in flags:
-            fin = finite.cpu()
-            if not bool(fin.all()):
-                bad_local = idx[int((~fin).nonzero()[0])] if bad_local is None else bad_local
         if plan.distributed:
             # Every rank must take the same decision, or they step different models.
             device = params[0].device if not isinstance(params[0], DTensor) else params[0]._local_tensor.device
@@ -605,8 +599,8 @@ class LowBitAdamW(torch.optim.Optimizer):
             any_bad = torch.tensor([0.0 if bad_local is None else 1.0], device=backend_dev)
             torch.distributed.all_reduce(any_bad, op=torch.distributed.ReduceOp.MAX)
             if bad_local is None and float(any_bad.item()) > 0:
-                return ""
-        return None if bad_local is None else self._name(params[bad_local])
+                return "", "non-finite gradient or state"
+        return (None, "") if found is None else (self._name(params[bad_local]), found[1])
 
     # A compiled function that calls step() runs the step eagerly (a graph break): the
     # step's host-side plan, the in-place kernel launches on states that are views of
@@ -630,8 +624,8 @@ class LowBitAdamW(torch.optim.Optimizer):
         # sync (plans, pointer checks, gradient-offset uploads, scalars), so that after the
         # sync only the kernel launches remain: the GPU idles for them alone. (Not when
         # a container of several optimizers checked them all first: grads_checked.)
-        check = self._nonfinite_launch(grads) if self.nonfinite_grad == "skip" and not checked else None
-        guarded = self.nonfinite_grad == "raise"
+        check = self._nonfinite_launch(plan, grads) if self.nonfinite_grad == "skip" and not checked else None
+        guarded = self.nonfinite_grad != "ignore"  # "skip": the kernels' guard catches what its check cannot
         if guarded:
             self._deferred.begin_step()
             nflags = len(self._order)
@@ -654,9 +648,9 @@ class LowBitAdamW(torch.optim.Optimizer):
                              ([self._kernel_tensor(p, fam.cfg) for p in fam.params], fam_grads)))
 
         if check is not None:
-            bad = self._nonfinite_param(plan, check)
+            bad, found = self._nonfinite_param(plan, check)
             if bad is not None:
-                self.count_skipped_step(f"param '{bad}'" if bad else "a parameter on another rank")
+                self.count_skipped_step((f"param '{bad}'" if bad else "a parameter on another rank") + f" ({found})")
                 return loss
 
         if self._master_pending:
@@ -697,14 +691,17 @@ class LowBitAdamW(torch.optim.Optimizer):
         report = self._deferred.collect(wait)
         if report is None:
             return
-        names = [self._name(p) for p, i in self._order.items() if i in report.indices]
-        where = (f"param '{names[0]}'" + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
-                 if names else "a parameter on another rank")
+        flagged = [(p, i) for p, i in self._order.items() if i in report.indices]
+        where = (f"param '{self._name(flagged[0][0])}'" + (f" (and {len(flagged) - 1} more)" if len(flagged) > 1 else "")
+                 if flagged else "a parameter on another rank")
+        found = (describe(flagged[0][1] in report.overflow, {k: _local(v) for k, v in self.state[flagged[0][0]].items()
+                                                              if isinstance(v, torch.Tensor)}, _local(flagged[0][0]))
+                 if flagged else "a non-finite gradient or update")
         raise FloatingPointError(
-            f"non-finite gradient (inf/nan) in {where} at optimizer step {report.step}: the blocks of "
-            "its weight and optimizer state whose gradient held one were left as they were, the rest "
-            "of that step was applied. Fix the loss scale / learning rate and resume from a checkpoint, "
-            "or build the optimizer with nonfinite_grad='skip' to skip such steps")
+            f"{found} in {where} at optimizer step {report.step}: the blocks of its weight and optimizer "
+            "state where that step would have written an inf/nan were left as they were, the rest of "
+            "that step was applied. Fix the loss scale / learning rate (or load a good checkpoint) and "
+            "resume, or build the optimizer with nonfinite_grad='skip' to skip steps with such gradients")
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict, after the pending non-finite checks: a checkpoint is never
@@ -716,14 +713,15 @@ class LowBitAdamW(torch.optim.Optimizer):
         """The step's non-finite check of ``nonfinite_grad="skip"`` alone, for a container
         of several optimizers that must decide for all of them before stepping any (a skip
         of one after another stepped would leave the model parts out of step): the name of
-        a parameter with an inf/nan gradient, '' if only another rank has one, None if all
-        are finite or the policy is another."""
+        a parameter with an inf/nan gradient (or one whose square overflows, or a non-finite
+        state scale), '' if only another rank has one, None if none has or the policy is
+        another."""
         if self.nonfinite_grad != "skip":
             return None
         plan, raw_grads = self._checked_plan()
         if plan is None:
             return None
-        return self._nonfinite_param(plan, self._nonfinite_launch(plan.local_grads(self, raw_grads)))
+        return self._nonfinite_param(plan, self._nonfinite_launch(plan, plan.local_grads(self, raw_grads)))[0]
 
     def _checked_plan(self) -> tuple[Optional["_StepPlan"], list]:
         """The step plan of the parameters that have gradients (None if none has), after
@@ -745,9 +743,10 @@ class LowBitAdamW(torch.optim.Optimizer):
         return plan, [g for g in grads if g is not None]
 
     def count_skipped_step(self, where: str) -> None:
-        """A step skipped for a non-finite gradient (nonfinite_grad='skip')."""
+        """A step skipped for a non-finite (or overflowing) gradient or a non-finite state
+        scale (nonfinite_grad='skip')."""
         self.skipped_steps = self.skipped_steps + 1
-        logger.warning(f"LowBitAdamW: skipped a step with a non-finite gradient in {where} "
+        logger.warning(f"LowBitAdamW: skipped a step that would write an inf/nan, in {where} "
                        f"({self.skipped_steps} skipped so far)")
 
     def _check_groups(self) -> None:

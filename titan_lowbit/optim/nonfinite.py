@@ -1,11 +1,14 @@
-"""The non-finite gradient check of ``nonfinite_grad="raise"``, done inside the step's kernels.
+"""The non-finite check of ``nonfinite_grad="raise"`` (and the backstop of ``"skip"``), done
+inside the step's kernels: nothing non-finite is written into a weight or a state.
 
 Why deferred: deciding before a step whether any gradient holds an inf/nan costs one more
 read of every gradient and a host sync (the ``"skip"`` policy still does that, because it
-must skip the whole step). The fused kernels instead check each quantization block's
-gradient as they load it and leave a block that holds an inf/nan unwritten (weights,
-moments, scales, extra state keep their values), so a non-finite value never reaches the
-quantized state; they flag its tensor in a small table on the device. This module copies
+must skip the whole step). The fused kernels instead check each quantization block's new
+moments and weight as they compute them and leave a block where one is inf/nan unwritten
+(weights, moments, scales, extra state keep their values), so a non-finite value never
+reaches the quantized state; they flag its tensor in a small table on the device, with
+the kind of what they found (``NonfiniteGuard``: an inf/nan gradient, or an overflowing
+update: a finite gradient whose square overflows fp32, a non-finite state or weight). This module copies
 that table to the host behind the step's kernels and reads it at a later ``step()`` (or
 ``state_dict()``, or an explicit check), when the copy has long finished: the error then
 names the parameter and the step, without the step ever waiting for the GPU.
@@ -31,11 +34,14 @@ MAX_LAG = 2
 
 @dataclasses.dataclass
 class NonfiniteReport:
-    """A step with inf/nan gradients: ``indices`` (the flag indices of this rank's tensors
-    that held one; empty if only another rank's did) and the optimizer step number."""
+    """A step that met an inf/nan: ``indices`` (the flag indices of this rank's tensors
+    where it did; empty if only another rank's did), the optimizer step number, and
+    ``overflow``: the flag indices among them where the gradient was finite but the update
+    was not (a square that overflows fp32, a non-finite state or weight)."""
 
     step: int
     indices: list[int]
+    overflow: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -85,7 +91,7 @@ class DeferredNonfiniteCheck:
                 dev = self._used[0]
             else:  # every local shard empty: nothing flagged here, but the collective is shared
                 dev = torch.device("cuda", torch.cuda.current_device())
-            mine = [(f == self._tag).any() for f in (self._flags[d] for d in self._used)]
+            mine = [(f.abs() == self._tag).any() for f in (self._flags[d] for d in self._used)]
             world = torch.stack(mine).any().to(device=dev, dtype=torch.int32).reshape(1) if mine \
                 else torch.zeros(1, dtype=torch.int32, device=dev)
             dist.all_reduce(world, op=dist.ReduceOp.MAX)
@@ -128,9 +134,79 @@ class DeferredNonfiniteCheck:
                     return None
                 entry.done.synchronize()
             self._pending.popleft()
-            mine = [int(i) for f in entry.flags for i in (f == entry.tag).nonzero().flatten()]
+            mine = [int(i) for f in entry.flags for i in (f.abs() == entry.tag).nonzero().flatten()]
+            over = [int(i) for f in entry.flags for i in (f == -entry.tag).nonzero().flatten()]
             bad = mine or (entry.world is not None and int(entry.world[0]) > 0)
             self._spare.append(entry)
             if bad:
-                return NonfiniteReport(entry.step, sorted(set(mine)))
+                return NonfiniteReport(entry.step, sorted(set(mine)), sorted(set(over)))
         return None
+
+
+# ---------------------------------------------------------------------------------------
+# "skip": the check before the step, and what an error or a skip says
+# ---------------------------------------------------------------------------------------
+# The largest |g| whose square is finite in fp32 is just below 2**64 ((2**64)**2 = 2**128
+# overflows, the float below it squares to a finite value): the one condition under which a
+# finite gradient and finite state give a non-finite second moment.
+SQUARE_OVERFLOW = 2.0**64
+FOUND_GRAD, FOUND_SQUARE, FOUND_STATE = 1, 2, 3
+_FOUND = {
+    FOUND_GRAD: "non-finite gradient (inf/nan)",
+    FOUND_SQUARE: "a finite gradient whose square overflows fp32 (|g| >= 2**64)",
+    FOUND_STATE: "a non-finite optimizer state scale (inf/nan absmax)",
+}
+
+
+def precheck_launch(grads: list[torch.Tensor], scales: list[list[torch.Tensor]]) -> list[tuple[list[int], torch.Tensor]]:
+    """Launch the ``"skip"`` policy's check (no host sync yet): per device, one fused
+    max-abs pass over the gradients and the quantized states' scales (``scales[i]``: those
+    of the parameter of ``grads[i]``), and per gradient a code: 0 (fine), FOUND_GRAD,
+    FOUND_SQUARE or FOUND_STATE. These are what makes the step's kernels write an inf/nan
+    from a gradient or a loaded state; the kernels' guard catches anything else."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, g in enumerate(grads):
+        by_device.setdefault(g.device, []).append(i)
+    out = []
+    for idx in by_device.values():
+        idx[:] = [i for i in idx if grads[i].numel()]  # empty shards: nothing to check
+        if not idx:
+            continue
+        owner = [j for j, i in enumerate(idx) for _ in scales[i]]
+        norms = torch._foreach_norm([grads[i] for i in idx] + [s for i in idx for s in scales[i]],
+                                    float("inf"), dtype=torch.float32)
+        g = torch.stack(norms[:len(idx)])
+        code = torch.where(g.isfinite(), torch.where(g < SQUARE_OVERFLOW, 0, FOUND_SQUARE), FOUND_GRAD)
+        if owner:
+            bad = (~torch.stack(norms[len(idx):]).isfinite()).to(torch.int32)
+            state_bad = torch.zeros(len(idx), dtype=torch.int32, device=g.device).index_add_(
+                0, torch.tensor(owner, device=g.device), bad)
+            code = torch.where(state_bad > 0, FOUND_STATE, code)
+        out.append((idx, code))
+    return out
+
+
+def precheck_result(flags: list[tuple[list[int], torch.Tensor]]) -> Optional[tuple[int, str]]:
+    """(gradient index, what was found) of the first flagged gradient of
+    ``precheck_launch``'s flags, or None (the host sync of the check)."""
+    for idx, code in flags:
+        host = code.cpu()
+        if bool(host.any()):
+            j = int(host.nonzero()[0])
+            return idx[j], _FOUND[int(host[j])]
+    return None
+
+
+def describe(overflow: bool, state: dict[str, torch.Tensor], weight: torch.Tensor) -> str:
+    """What an in-kernel flag found, for the error: a non-finite entry of a parameter's
+    ``state`` or ``weight`` (local tensors; the flagged blocks were left as they were, so
+    it is still there), else the kernel's kind (``overflow``: the first moment was finite,
+    the second moment or the weight not)."""
+    for key, val in state.items():
+        if key != "step" and val.is_floating_point() and not bool(val.float().isfinite().all()):
+            return f"a non-finite optimizer state '{key}' (inf/nan)"
+    if not bool(weight.float().isfinite().all()):
+        return "a non-finite weight (inf/nan)"
+    if overflow:
+        return f"an update that overflows: {_FOUND[FOUND_SQUARE]} (or eps=0 with a zero gradient and moment)"
+    return _FOUND[FOUND_GRAD]
