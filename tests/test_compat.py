@@ -38,7 +38,7 @@ def test_the_switch_takes_every_public_path(monkeypatch):
 PUBLIC_RUN = r"""
 import torch
 import torch.nn as nn
-import titan_lowbit  # registers with torchtitan
+import titan_lowbit.torchtitan  # registers with torchtitan, as custom_import does
 import titan_lowbit.config
 import torchtitan.protocols.model_converter as mc
 from torchtitan.components.checkpoint import CheckpointManager
