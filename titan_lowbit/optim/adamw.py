@@ -579,11 +579,9 @@ class LowBitAdamW(torch.optim.Optimizer):
         return lg if lg.is_contiguous() else lg.contiguous()
 
     def _nonfinite_launch(self, plan: "_StepPlan", grads: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
-        """Launch the "skip" policy's check of the gradients and the quantized states'
-        scales (``nonfinite.precheck_launch``; no host sync yet)."""
-        scales = [[_local(st[k]) for k in ("exp_avg_absmax", "exp_avg_sq_absmax") if k in st]
-                  for st in map(self.state.__getitem__, plan.params)]
-        return precheck_launch(grads, scales)
+        """Launch the "skip" policy's check of the gradients (``nonfinite.precheck_launch``;
+        no host sync yet)."""
+        return precheck_launch(grads)
 
     def _nonfinite_param(self, plan: "_StepPlan",
                          flags: list[tuple[list[int], torch.Tensor]]) -> tuple[Optional[str], str]:

@@ -150,20 +150,20 @@ class DeferredNonfiniteCheck:
 # overflows, the float below it squares to a finite value): the one condition under which a
 # finite gradient and finite state give a non-finite second moment.
 SQUARE_OVERFLOW = 2.0**64
-FOUND_GRAD, FOUND_SQUARE, FOUND_STATE = 1, 2, 3
+FOUND_GRAD, FOUND_SQUARE = 1, 2
 _FOUND = {
     FOUND_GRAD: "non-finite gradient (inf/nan)",
     FOUND_SQUARE: "a finite gradient whose square overflows fp32 (|g| >= 2**64)",
-    FOUND_STATE: "a non-finite optimizer state scale (inf/nan absmax)",
 }
 
 
-def precheck_launch(grads: list[torch.Tensor], scales: list[list[torch.Tensor]]) -> list[tuple[list[int], torch.Tensor]]:
+def precheck_launch(grads: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
     """Launch the ``"skip"`` policy's check (no host sync yet): per device, one fused
-    max-abs pass over the gradients and the quantized states' scales (``scales[i]``: those
-    of the parameter of ``grads[i]``), and per gradient a code: 0 (fine), FOUND_GRAD,
-    FOUND_SQUARE or FOUND_STATE. These are what makes the step's kernels write an inf/nan
-    from a gradient or a loaded state; the kernels' guard catches anything else."""
+    max-abs pass over the gradients, and per gradient a code: 0 (fine), FOUND_GRAD or
+    FOUND_SQUARE. These are what makes a step from a valid state write an inf/nan: a state
+    is checked when it is loaded (``state_dict.py``) and the kernels never write a
+    non-finite one, so the check reads no state. A state damaged in memory is left to the
+    kernels' guard, which raises: skipping steps would not repair it."""
     by_device: dict[torch.device, list[int]] = {}
     for i, g in enumerate(grads):
         by_device.setdefault(g.device, []).append(i)
@@ -172,16 +172,8 @@ def precheck_launch(grads: list[torch.Tensor], scales: list[list[torch.Tensor]])
         idx[:] = [i for i in idx if grads[i].numel()]  # empty shards: nothing to check
         if not idx:
             continue
-        owner = [j for j, i in enumerate(idx) for _ in scales[i]]
-        norms = torch._foreach_norm([grads[i] for i in idx] + [s for i in idx for s in scales[i]],
-                                    float("inf"), dtype=torch.float32)
-        g = torch.stack(norms[:len(idx)])
+        g = torch.stack(torch._foreach_norm([grads[i] for i in idx], float("inf"), dtype=torch.float32))
         code = torch.where(g.isfinite(), torch.where(g < SQUARE_OVERFLOW, 0, FOUND_SQUARE), FOUND_GRAD)
-        if owner:
-            bad = (~torch.stack(norms[len(idx):]).isfinite()).to(torch.int32)
-            state_bad = torch.zeros(len(idx), dtype=torch.int32, device=g.device).index_add_(
-                0, torch.tensor(owner, device=g.device), bad)
-            code = torch.where(state_bad > 0, FOUND_STATE, code)
         out.append((idx, code))
     return out
 
