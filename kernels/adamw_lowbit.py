@@ -110,8 +110,7 @@ LAUNCH_PLAIN = (2048, 8)
 # Register cap of launches with the non-finite guard. Left to itself the compiler gives
 # several guarded families more than 64 registers (72 for 8-bit states with bf16 weights:
 # fewer resident programs per SM, 9% slower on an H100); capped at 64 none spills and the
-# guard costs 0 to 7% of the unguarded step (docs/optimizer.md, Benchmark, "Latest";
-# scripts/guard_register_sweep.py).
+# guard costs 0 to 7% of the unguarded step (docs/design_notes.md, "Measured and not kept").
 GUARD_MAXNREG = 64
 # Tiles one program steps, in order (quantized, plain formats); measured on an H100.
 TILES_QUANTIZED = 8
