@@ -73,6 +73,11 @@ FENCED = (
                "an unknown TOML key is named with the valid keys of its section (torchtitan "
                "names the key and points to a script of its own repository)",
                "torchtitan's own message"),
+    PrivateUse("torchtitan", "titan_lowbit/config.py (_install_custom_import_check)",
+               "ConfigManager._validate_config, wrapped",
+               'a job file still naming custom_import = "titan_lowbit" (which registers '
+               "nothing) stops at parse time naming the key and the integration module",
+               "torchtitan's own errors for the unregistered optimizer or converter names"),
     PrivateUse("torchtitan", "titan_lowbit/converters.py (register)",
                "torchtitan.protocols.model_converter._registry_model_converter_cls, "
                "replaced by a dict subclass with the same contents",

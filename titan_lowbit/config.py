@@ -248,7 +248,10 @@ def check_custom_import(job_config) -> None:
 
 def _install_custom_import_check() -> None:
     """Run check_custom_import on every JobConfig torchtitan parses (TOML and command
-    line), before its Trainer imports ``custom_import``."""
+    line), before its Trainer imports ``custom_import``. ConfigManager._validate_config is
+    torchtitan's private method: only with a tested torchtitan (titan_lowbit/compat.py)."""
+    if not private_api_ok("torchtitan"):
+        return
     from torchtitan.config.manager import ConfigManager
 
     original = ConfigManager._validate_config
