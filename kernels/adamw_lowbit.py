@@ -53,7 +53,6 @@ agree to an ulp, and a code can differ by one step where a value sits on a round
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Optional, Sequence
 
@@ -64,6 +63,19 @@ from triton.language.extra import libdevice
 
 from titan_lowbit.compat import private_api_ok
 
+from .adamw_interface import (  # noqa: F401  (the kernel's interface, re-exported)
+    UPDATE_KAHAN,
+    UPDATE_MASTER,
+    UPDATE_MASTER_REMAINDER,
+    UPDATE_NEAREST,
+    UPDATE_STOCHASTIC,
+    WEIGHT_UPDATES,
+    AdamWConfig,
+    AdamWHyper,
+    AdamWTensor,
+    NonfiniteGuard,
+    hyper_scalars,
+)
 from .quant_maps import (
     CODEC_DYN4_SIGNED,
     CODEC_DYN8_SIGNED,
@@ -82,18 +94,8 @@ from .quant_maps import (
     enc_shift,
     enc_size,
     encode_tables,
-    step_key,
 )
 
-# Weight-update ids (compile-time constants in the kernel).
-UPDATE_NEAREST = 0
-UPDATE_STOCHASTIC = 1
-UPDATE_KAHAN = 2
-UPDATE_MASTER = 3
-UPDATE_MASTER_REMAINDER = 4
-WEIGHT_UPDATES = {"nearest": UPDATE_NEAREST, "stochastic": UPDATE_STOCHASTIC,
-                  "kahan": UPDATE_KAHAN, "master": UPDATE_MASTER,
-                  "master_remainder": UPDATE_MASTER_REMAINDER}
 
 # Columns of the per-tensor metadata table (int64).
 META_PARAM, META_M, META_V, META_MSCALE, META_VSCALE, META_EXTRA = 0, 1, 2, 3, 4, 5
@@ -864,79 +866,6 @@ def smem_image(m_codec: int, v_codec: int, tile_elems: int, device: str) -> torc
             buckets = buckets.to(torch.int32).view(torch.uint8)
         image[off + 8 * nmag:off + 8 * nmag + buckets.numel()] = buckets
     return image.view(torch.int32).to(device)
-
-
-@dataclasses.dataclass(frozen=True)
-class AdamWConfig:
-    """What the kernel is compiled for: one launch family."""
-
-    m_codec: int
-    v_codec: int
-    state_bf16: bool  # plain formats only: bf16 (True) or fp32 moments
-    block: int  # quantization block (elements along a row)
-    weight_update: int
-    decoupled: bool
-    param_dtype: torch.dtype
-    grad_dtype: torch.dtype
-
-
-@dataclasses.dataclass
-class AdamWTensor:
-    """One tensor's local view for the kernel: a [rows, cols] layout of plain tensors."""
-
-    param: torch.Tensor
-    exp_avg: torch.Tensor  # plain moment, or uint8 codes ([rows, cols] or packed [rows, ceil(cols/2)])
-    exp_avg_sq: torch.Tensor
-    exp_avg_scale: Optional[torch.Tensor]  # fp32 [rows, ceil(cols/block)] absmax, or None
-    exp_avg_sq_scale: Optional[torch.Tensor]
-    extra: Optional[torch.Tensor]  # fp32 master weights, int16 remainders, bf16 Kahan compensation, or None
-    rows: int
-    cols: int
-    sr_base: int = 0  # global index of local element (r, c) = sr_base + r * sr_row_stride + c
-    sr_row_stride: int = 0
-    sr_key: int = 0
-    flag_index: int = 0  # the tensor's entry in a NonfiniteGuard's flags
-
-
-@dataclasses.dataclass
-class NonfiniteGuard:
-    """The step's check that it writes nothing non-finite, done on values the kernel
-    computes anyway (no extra read, no host sync): a quantization block where a new first
-    or second moment or weight would be inf/nan is not written (its weights, moments,
-    absmax and extra state keep their values), and its tensor is flagged:
-    ``flags[t.flag_index] = tag`` where the new first moment is not finite (an inf/nan
-    gradient, or a non-finite first-moment state), ``-tag`` where it is finite but the
-    second moment or the weight is not (a finite gradient whose square overflows fp32,
-    ``|g| >= 2**64``; a non-finite second-moment state or weight; ``0 / 0`` with eps 0). A
-    new tag per step, so the flags need no clearing: the caller reads them when it likes
-    and compares their absolute value with the tag."""
-
-    flags: torch.Tensor  # int32, on the tensors' device, one entry per flag_index
-    tag: int  # 1 <= tag < 2**31
-
-
-@dataclasses.dataclass
-class AdamWHyper:
-    lr: "float | torch.Tensor"
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    step: int  # 1 on the first step
-
-
-def hyper_scalars(h: AdamWHyper) -> dict:
-    """The per-step scalars both kernel and reference use (fp32 on device). All Python
-    floats, so an int hyperparameter (``weight_decay=0``) does not make Triton type the
-    argument as an integer: the kernel's signature stays the same from step to step."""
-    beta1, beta2 = float(h.beta1), float(h.beta2)
-    return dict(
-        inv_bc1=1.0 / (1.0 - beta1**h.step),
-        inv_sqrt_bc2=1.0 / (1.0 - beta2**h.step) ** 0.5,
-        beta1=beta1, one_minus_beta1=1.0 - beta1,
-        beta2=beta2, one_minus_beta2=1.0 - beta2,
-        eps=float(h.eps), wd=float(h.weight_decay), skey=step_key(h.step),
-    )
 
 
 def code_row_elems(cfg: AdamWConfig, cols: int) -> int:

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .adamw_lowbit import (
+from .adamw_interface import (
     UPDATE_KAHAN,
     UPDATE_MASTER,
     UPDATE_MASTER_REMAINDER,

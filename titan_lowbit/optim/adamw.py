@@ -19,15 +19,14 @@ from typing import Any, Iterable, Optional
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from titan_lowbit.kernels.adamw_lowbit import (
-    MAX_TENSORS_PER_LAUNCH,
+from titan_lowbit.kernels.adamw_interface import (
     UPDATE_NEAREST,
     WEIGHT_UPDATES,
     AdamWConfig,
     AdamWHyper,
     AdamWTensor,
-    FusedAdamW,
 )
+from titan_lowbit.kernels.adamw_lowbit import MAX_TENSORS_PER_LAUNCH, FusedAdamW
 from titan_lowbit.kernels.adamw_lowbit_ref import adamw_step_reference
 from titan_lowbit.kernels.quant_maps import is_block_size, tensor_key
 

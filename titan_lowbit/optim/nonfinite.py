@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from titan_lowbit.kernels.adamw_lowbit import NonfiniteGuard
+from titan_lowbit.kernels.adamw_interface import NonfiniteGuard
 
 # Steps whose flags may still be on their way to the host: the check waits for the older
 # ones, so the error comes at most this many steps after the one that saw the inf/nan.
