@@ -389,26 +389,17 @@ WORLD = 2
 def _scenarios(rank):
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (WORLD,))
     kw = dict(lr=1e-2, weight_decay=0.1, weight_update="master_remainder", min_quantized_numel=1000)
     res = {}
 
-    from test_optim_fsdp import _model  # the FSDP2 tests' bf16 model: 35 rows a rank, ragged blocks
+    # the FSDP2 tests' bf16 model (35 rows a rank, ragged blocks) and training loop
+    from test_optim_fsdp import _model, _sharded_model, _train as train
 
     def sharded_model():
-        m = _model()
-        for mod in [x for x in m if isinstance(x, nn.Linear)] + [m]:
-            fully_shard(mod, mesh=mesh)
-        return m
-
-    def train(model, opt, xs):
-        for x in xs:
-            opt.zero_grad()
-            model(x).float().square().mean().backward()
-            opt.step()
+        return _sharded_model(mesh)
 
     torch.manual_seed(1)
     xs = [torch.randn(4, 300).to(torch.bfloat16) for _ in range(5)]

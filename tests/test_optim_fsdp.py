@@ -30,6 +30,24 @@ def _model(seed=0):
     return nn.Sequential(nn.Linear(300, 70), nn.LayerNorm(70), nn.Linear(70, 130, bias=False)).to(torch.bfloat16)
 
 
+def _sharded_model(mesh):
+    """_model() under FSDP2: each linear its own group, the rest (the norm) the root's."""
+    from torch.distributed.fsdp import fully_shard
+
+    m = _model()
+    for mod in [x for x in m if isinstance(x, nn.Linear)] + [m]:
+        fully_shard(mod, mesh=mesh)
+    return m
+
+
+def _train(model, opt, xs):
+    """One step per input on the mean square of the model's output."""
+    for x in xs:
+        opt.zero_grad()
+        model(x).float().square().mean().backward()
+        opt.step()
+
+
 def _scenarios(rank):
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -44,18 +62,9 @@ def _scenarios(rank):
     res = {}
 
     def sharded_model():
-        m = _model()
-        for mod in m:
-            if isinstance(mod, nn.Linear):
-                fully_shard(mod, mesh=mesh)
-        fully_shard(m, mesh=mesh)
-        return m
+        return _sharded_model(mesh)
 
-    def train(model, opt, xs):
-        for x in xs:
-            opt.zero_grad()
-            model(x).float().square().mean().backward()
-            opt.step()
+    train = _train
 
     torch.manual_seed(1)
     xs = [torch.randn(4, 300).to(torch.bfloat16) for _ in range(6)]

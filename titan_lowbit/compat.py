@@ -68,12 +68,12 @@ FENCED = (
                "checkpoint safety: CRC and size verification and layout checks before a "
                "load, atomic synchronous saves, a warning for incomplete step folders",
                "torchtitan's checkpointing unchanged, without those checks"),
-    PrivateUse("torchtitan", "titan_lowbit/config.py (_install_key_check)",
+    PrivateUse("torchtitan", "titan_lowbit/config.py (_check_keys)",
                "ConfigManager._dict_to_dataclass, wrapped",
                "an unknown TOML key is named with the valid keys of its section (torchtitan "
                "names the key and points to a script of its own repository)",
                "torchtitan's own message"),
-    PrivateUse("torchtitan", "titan_lowbit/config.py (_install_custom_import_check)",
+    PrivateUse("torchtitan", "titan_lowbit/config.py (check_custom_import)",
                "ConfigManager._validate_config, wrapped",
                'a job file still naming custom_import = "titan_lowbit" (which registers '
                "nothing) stops at parse time naming the key and the integration module",

@@ -207,28 +207,34 @@ def unknown_keys(cls, data: dict, section: str = "") -> list[str]:
     return problems
 
 
-def _install_key_check() -> None:
-    """Make torchtitan's TOML loader name an unknown key together with the valid ones
-    (torchtitan 0.2.x names only the unknown key, and tells to run a script of its own
-    repository). Same acceptance, better message. ConfigManager._dict_to_dataclass is
-    torchtitan's private method: only with a tested torchtitan (titan_lowbit/compat.py)."""
+def _wrap_config_manager(method: str, check) -> None:
+    """Run ``check(manager, *args)`` before torchtitan's ``ConfigManager.<method>``. Both
+    methods wrapped here are torchtitan's private ones: only with a tested torchtitan
+    (titan_lowbit/compat.py), once per process."""
     if not private_api_ok("torchtitan"):
         return
     from torchtitan.config.manager import ConfigManager
 
-    original = ConfigManager._dict_to_dataclass
+    original = getattr(ConfigManager, method)
     if getattr(original, "titan_lowbit_checked", False):
         return
 
-    def _dict_to_dataclass(self, cls, data):
-        top_level = is_dataclass(cls) and "job" in {f.name for f in fields(cls)}
-        if top_level and isinstance(data, dict):
-            if problems := unknown_keys(cls, data):
-                raise ValueError("invalid TOML config:\n  " + "\n  ".join(problems))
-        return original(self, cls, data)
+    def wrapped(self, *args):
+        check(self, *args)
+        return original(self, *args)
 
-    _dict_to_dataclass.titan_lowbit_checked = True
-    ConfigManager._dict_to_dataclass = _dict_to_dataclass
+    wrapped.titan_lowbit_checked = True
+    setattr(ConfigManager, method, wrapped)
+
+
+def _check_keys(manager, cls, data) -> None:
+    """Name an unknown TOML key together with the valid ones (torchtitan 0.2.x names only
+    the unknown key, and tells to run a script of its own repository). Same acceptance,
+    better message; ConfigManager._dict_to_dataclass builds every section."""
+    top_level = is_dataclass(cls) and "job" in {f.name for f in fields(cls)}
+    if top_level and isinstance(data, dict):
+        if problems := unknown_keys(cls, data):
+            raise ValueError("invalid TOML config:\n  " + "\n  ".join(problems))
 
 
 INTEGRATION_MODULE = "titan_lowbit.torchtitan"
@@ -246,28 +252,11 @@ def check_custom_import(job_config) -> None:
         )
 
 
-def _install_custom_import_check() -> None:
-    """Run check_custom_import on every JobConfig torchtitan parses (TOML and command
-    line), before its Trainer imports ``custom_import``. ConfigManager._validate_config is
-    torchtitan's private method: only with a tested torchtitan (titan_lowbit/compat.py)."""
-    if not private_api_ok("torchtitan"):
-        return
-    from torchtitan.config.manager import ConfigManager
-
-    original = ConfigManager._validate_config
-    if getattr(original, "titan_lowbit_checked", False):
-        return
-
-    def _validate_config(self):
-        check_custom_import(self.config)
-        return original(self)
-
-    _validate_config.titan_lowbit_checked = True
-    ConfigManager._validate_config = _validate_config
-
-
-_install_key_check()
-_install_custom_import_check()
+# Every JobConfig torchtitan parses (TOML and command line): unknown keys when a section is
+# built, the old custom_import value when the whole config is validated, before the
+# Trainer imports custom_import.
+_wrap_config_manager("_dict_to_dataclass", _check_keys)
+_wrap_config_manager("_validate_config", lambda manager: check_custom_import(manager.config))
 
 
 @dataclass
