@@ -174,10 +174,9 @@ class LowBitAdamW(torch.optim.Optimizer):
             non-finite state: weight and states keep their values); a later ``step()`` or
             ``state_dict()`` (at most two steps on), or ``check_nonfinite()``, raises naming
             the parameter, what was found and the step, which the rest of the model did
-            take. "skip": check all gradients (inf/nan, |g| >= 2**64) and the quantized
-            states' scales first (one more read of them and a host sync) and skip the whole
-            step, counted in ``skipped_steps``; the kernels' check still guards the rest
-            (and raises). "ignore": no check; non-finite values reach the state.
+            take. "skip": check all gradients (inf/nan, |g| >= 2**64) first (one more read
+            of them and a host sync) and skip the whole step, counted in ``skipped_steps``;
+            the kernels' check still guards the rest (a state damaged in memory: it raises). "ignore": no check; non-finite values reach the state.
         amsgrad, maximize, foreach, capturable, differentiable, fused: torch.optim.AdamW's
             flags, accepted at torch's defaults; ``maximize=True`` is supported, any other
             value is refused naming the flag (see ``torch_flags``).
@@ -577,11 +576,6 @@ class LowBitAdamW(torch.optim.Optimizer):
                              f"{tuple(_local(p).shape)}")
         return lg if lg.is_contiguous() else lg.contiguous()
 
-    def _nonfinite_launch(self, plan: "_StepPlan", grads: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
-        """Launch the "skip" policy's check of the gradients (``nonfinite.precheck_launch``;
-        no host sync yet)."""
-        return precheck_launch(grads)
-
     def _nonfinite_param(self, plan: "_StepPlan",
                          flags: list[tuple[list[int], torch.Tensor]]) -> tuple[Optional[str], str]:
         """(name of a parameter of ``plan`` whose step would write an inf/nan, '' if only
@@ -621,7 +615,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         # sync (plans, pointer checks, gradient-offset uploads, scalars), so that after the
         # sync only the kernel launches remain: the GPU idles for them alone. (Not when
         # a container of several optimizers checked them all first: grads_checked.)
-        check = self._nonfinite_launch(plan, grads) if self.nonfinite_grad == "skip" and not checked else None
+        check = precheck_launch(grads) if self.nonfinite_grad == "skip" and not checked else None
         guarded = self.nonfinite_grad != "ignore"  # "skip": the kernels' guard catches what its check cannot
         if guarded:
             self._deferred.begin_step()
@@ -718,7 +712,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         plan, raw_grads = self._checked_plan()
         if plan is None:
             return None
-        return self._nonfinite_param(plan, self._nonfinite_launch(plan, plan.local_grads(self, raw_grads)))[0]
+        return self._nonfinite_param(plan, precheck_launch(plan.local_grads(self, raw_grads)))[0]
 
     def _checked_plan(self) -> tuple[Optional["_StepPlan"], list]:
         """The step plan of the parameters that have gradients (None if none has), after
