@@ -26,7 +26,7 @@ import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import SAVE_STEP, resume_folder, run_train, step_losses
-from titan_lowbit import checkpoint as ckpt
+from titan_lowbit.torchtitan import checkpoint as ckpt
 
 LAST = SAVE_STEP + 2  # the fixture run saved at SAVE_STEP and at its last step, LAST
 

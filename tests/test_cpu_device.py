@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from titan_lowbit import cpu_device
+from titan_lowbit.torchtitan import cpu_device
 
 
 @pytest.fixture

@@ -100,7 +100,7 @@ def test_optimizer_settings_that_would_be_ignored_are_refused(name, lowbit, earl
     from torchtitan.config import Optimizer as OptimizerConfig
 
     from titan_lowbit.config import LowBit
-    from titan_lowbit.optimizer_builder import build_lowbit_optimizers
+    from titan_lowbit.torchtitan.optimizer_builder import build_lowbit_optimizers
 
     with pytest.raises(ValueError, match=match):
         build_lowbit_optimizers([torch.nn.Linear(64, 64)], OptimizerConfig(name=name, early_step_in_backward=early),
@@ -119,7 +119,7 @@ def test_unknown_converter_lists_registered_ones():
 
 
 def test_optimizer_names_and_unknown_name():
-    from titan_lowbit.optimizer_builder import check_optimizer_name, valid_optimizer_names
+    from titan_lowbit.torchtitan.optimizer_builder import check_optimizer_name, valid_optimizer_names
 
     names = valid_optimizer_names()
     for name in ("Adam", "AdamW", "AdamW8bit", "AdamW4bit", "AdamWFp8"):
@@ -149,7 +149,7 @@ def test_train_specs_are_wrapped_and_flavor_registered():
 
 
 def test_weight_dtype_casts_parameters_not_buffers():
-    from titan_lowbit.train_spec import cast_parameters
+    from titan_lowbit.torchtitan.train_spec import cast_parameters
     from torchtitan.protocols.train_spec import get_train_spec
 
     spec = get_train_spec("llama3")
@@ -162,7 +162,7 @@ def test_weight_dtype_casts_parameters_not_buffers():
 
 
 def test_cpu_device_module_answers_memory_monitor():
-    from titan_lowbit.cpu_device import CpuDeviceModule
+    from titan_lowbit.torchtitan.cpu_device import CpuDeviceModule
 
     stats = CpuDeviceModule.memory_stats()
     assert stats["reserved_bytes.all.peak"] > 10 * 2**20  # this process holds torch
@@ -229,7 +229,7 @@ def test_prepare_data_missing_corpus_is_a_clear_error(tmp_path):
 def test_missing_split_names_the_key_that_chose_its_folder(tmp_path, monkeypatch):
     """[training] dataset_path set, [validation] dataset_path not: the validation split is
     read from the default data folder, and the error says that key is the one to set."""
-    from titan_lowbit.datasets import DATASET_CONFIGS
+    from titan_lowbit.torchtitan.datasets import DATASET_CONFIGS
 
     load = DATASET_CONFIGS["lowbit_text_validation"].loader
     monkeypatch.setenv("TITAN_LOWBIT_DATA", str(tmp_path / "default"))
@@ -249,7 +249,7 @@ def test_missing_split_names_the_key_that_chose_its_folder(tmp_path, monkeypatch
 
 
 def test_tokenizer_comes_from_the_corpus_unless_the_config_names_one(tmp_path):
-    from titan_lowbit.datasets import resolve_tokenizer
+    from titan_lowbit.torchtitan.datasets import resolve_tokenizer
 
     (tmp_path / "data" / "tokenizer").mkdir(parents=True)
     (tmp_path / "data" / "tokenizer" / "tokenizer.json").write_text("{}")

@@ -341,7 +341,7 @@ def test_a_checkpoint_of_the_other_master_layout_is_refused_naming_the_setting(s
     import torch.distributed.checkpoint as dcp
     from torchtitan.components.optimizer import OptimizersContainer
 
-    from titan_lowbit import checkpoint as ckpt
+    from titan_lowbit.torchtitan import checkpoint as ckpt
 
     kw = dict(state_format="8bit", **KW)
     src = LowBitAdamW(_params(), weight_update=saved, **kw)
@@ -365,7 +365,7 @@ def test_the_toml_option_reaches_the_optimizer_and_the_start_up_line():
 
     from conftest import DEBUG_CONFIG
     from titan_lowbit.config import LowBit
-    from titan_lowbit.optimizer_builder import build_lowbit_optimizers, describe
+    from titan_lowbit.torchtitan.optimizer_builder import build_lowbit_optimizers, describe
 
     cfg = parse("--job.config_file", str(DEBUG_CONFIG), "--lowbit.weight_update", "master_remainder")
     assert cfg.lowbit.weight_update == "master_remainder"

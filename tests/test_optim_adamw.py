@@ -647,7 +647,7 @@ def test_container_checks_every_model_part_before_stepping_any(policy):
     from torchtitan.config import Optimizer as OptimizerConfig
 
     from titan_lowbit.config import LowBit
-    from titan_lowbit.optimizer_builder import build_lowbit_optimizers
+    from titan_lowbit.torchtitan.optimizer_builder import build_lowbit_optimizers
     from torchtitan.components.optimizer import build_optimizers
 
     torch.manual_seed(0)

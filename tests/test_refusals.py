@@ -117,7 +117,7 @@ def build(name="AdamW8bit", early=False, ft_manager=None, base_builder=None, dty
     from torchtitan.config import Optimizer as OptimizerConfig
 
     from titan_lowbit.config import LowBit
-    from titan_lowbit.optimizer_builder import build_lowbit_optimizers
+    from titan_lowbit.torchtitan.optimizer_builder import build_lowbit_optimizers
 
     return build_lowbit_optimizers(
         [torch.nn.Linear(64, 64, dtype=dtype)], OptimizerConfig(name=name, early_step_in_backward=early),

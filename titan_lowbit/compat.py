@@ -27,12 +27,17 @@ logger = logging.getLogger(__name__)
 
 # Versions run here: torch 2.13 + triton 3.9 (CI, CPU, kernels under Triton's interpreter
 # and compiled for sm_90 without a GPU), torch 2.11 + triton 3.6 (the H100 hosts),
-# torchtitan 0.2.2 (both). Inclusive, compared on (major, minor) for torch and Triton.
+# torchtitan 0.2.2 (both) and 0.3.0 (CI's CPU processes only: it needs a newer torch than
+# the H100 hosts carry). Inclusive, compared on (major, minor) for torch and Triton.
 TESTED = {
     "torch": ((2, 11), (2, 13)),
     "triton": ((3, 6), (3, 9)),
-    "torchtitan": ((0, 2, 2), (0, 2, 2)),
+    "torchtitan": ((0, 2, 2), (0, 3, 0)),
 }
+# The torchtitan lines titan_lowbit integrates with, each by its own module of
+# titan_lowbit.torchtitan: 0.2 (TOML configs, custom_import) and 0.3 (Python configs,
+# --override.imports). The private uses below belong to one line each.
+TORCHTITAN_LINES = ((0, 2), (0, 3))
 ENV = "TITAN_LOWBIT_PRIVATE_APIS"
 
 
@@ -63,7 +68,7 @@ FENCED = (
                "persistent (one-read) row reductions for BitNet's fused row quantizations "
                "under torch.compile: 12-29% faster norm and SwiGLU kernels on the 1B model",
                "Inductor's own choices ([lowbit] bitnet_persistent_rows has no effect)"),
-    PrivateUse("torchtitan", "titan_lowbit/checkpoint.py (register)",
+    PrivateUse("torchtitan", "titan_lowbit/torchtitan/checkpoint.py (register)",
                "CheckpointManager.dcp_load, dcp_save and _find_load_step, wrapped",
                "checkpoint safety: CRC and size verification and layout checks before a "
                "load, atomic synchronous saves, a warning for incomplete step folders",
@@ -78,7 +83,7 @@ FENCED = (
                'a job file still naming custom_import = "titan_lowbit" (which registers '
                "nothing) stops at parse time naming the key and the integration module",
                "torchtitan's own errors for the unregistered optimizer or converter names"),
-    PrivateUse("torchtitan", "titan_lowbit/converters.py (register)",
+    PrivateUse("torchtitan", "titan_lowbit/torchtitan/converters.py (register)",
                "torchtitan.protocols.model_converter._registry_model_converter_cls, "
                "replaced by a dict subclass with the same contents",
                "an unknown [model] converters name is a ValueError listing the registered "
@@ -125,6 +130,12 @@ def installed(library: str) -> tuple[int, ...] | None:
         except metadata.PackageNotFoundError:
             return None
     return tuple(int(p) for p in re.findall(r"\d+", text.split("+")[0])[:3])
+
+
+def torchtitan_line() -> tuple[int, int] | None:
+    """The (major, minor) line of the installed torchtitan, or None without torchtitan."""
+    version = installed("torchtitan")
+    return None if version is None else tuple(version[:2])
 
 
 def tested(library: str) -> bool:

@@ -65,7 +65,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from titan_lowbit.bitnet.weight import local_training_weight
 from titan_lowbit.compat import private_api_ok
 from titan_lowbit.optim.formats import STATE_FORMATS, block_of
-from titan_lowbit.optimizer_builder import is_lowbit
+from titan_lowbit.torchtitan.lowbit_optimizers import is_lowbit
 
 STEP_DIR = re.compile(r"step-(\d+)")  # torchtitan's own pattern (re.search)
 VERIFY_ENV = "TITAN_LOWBIT_VERIFY_CHECKPOINT"

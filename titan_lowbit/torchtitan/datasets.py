@@ -21,7 +21,6 @@ import functools
 import os
 from functools import partial
 
-from torchtitan.config.job_config import Model as _TorchtitanModel
 from torchtitan.hf_datasets import DatasetConfig
 from torchtitan.hf_datasets.text_datasets import DATASETS
 from torchtitan.tools.logging import logger
@@ -29,15 +28,19 @@ from torchtitan.tools.logging import logger
 from titan_lowbit.prepare_data import DATA_VARIABLE, data_dir
 
 SPLIT_FILES = {"train": "train.jsonl", "validation": "validation.jsonl"}
-# the section whose dataset_path a split is read from
-SECTIONS = {"train": "training", "validation": "validation"}
-TORCHTITAN_DEFAULT_ASSETS = _TorchtitanModel().hf_assets_path
+# the config key that sets where a split is read from, by torchtitan line
+DATASET_PATH_KEYS = {
+    (0, 2): {"train": "[training] dataset_path", "validation": "[validation] dataset_path"},
+    (0, 3): {"train": "--dataloader.dataset_path", "validation": "--validator.dataloader.dataset_path"},
+}
 
 
 def _missing(what: str, path: str, split: str) -> FileNotFoundError:
     """The error for a corpus file or folder that is not there, naming the config key
     that chose ``path`` and a command that builds it."""
-    key = f"[{SECTIONS[split]}] dataset_path"
+    from titan_lowbit.compat import torchtitan_line
+
+    key = DATASET_PATH_KEYS.get(torchtitan_line(), DATASET_PATH_KEYS[(0, 2)])[split]
     if os.path.abspath(path) == str(data_dir()):
         where = (f"{key} is not set, so the default data folder {path} is read "
                  f"(${DATA_VARIABLE}, else ~/.cache/titan_lowbit/lowbit_text)")
@@ -82,8 +85,10 @@ DATASET_CONFIGS: dict[str, DatasetConfig] = {}
 def resolve_tokenizer(job_config) -> None:
     """Point ``[model] hf_assets_path`` at the corpus' tokenizer when the config trains on
     ``lowbit_text`` and leaves the path at torchtitan's default; logs the path it chose."""
+    from torchtitan.config.job_config import Model as TorchtitanModel  # the 0.2 line's
+
     model, training = job_config.model, job_config.training
-    if model.hf_assets_path != TORCHTITAN_DEFAULT_ASSETS or training.dataset not in DATASET_CONFIGS:
+    if model.hf_assets_path != TorchtitanModel().hf_assets_path or training.dataset not in DATASET_CONFIGS:
         return
     folder = training.dataset_path or DATASET_CONFIGS[training.dataset].path
     tokenizer = os.path.join(folder, "tokenizer")
@@ -106,6 +111,32 @@ def wrap_build_tokenizer(build_tokenizer_fn):
         return build_tokenizer_fn(job_config, *args, **kwargs)
 
     return build_tokenizer
+
+
+def corpus_tokenizer(folder: str | None = None) -> str:
+    """The tokenizer folder of the corpus in ``folder`` (default: the data folder)."""
+    return os.path.join(folder or str(data_dir()), "tokenizer")
+
+
+def check_corpus(hf_assets_path: str, *dataloaders) -> None:
+    """torchtitan 0.3: before anything is built, that the corpus splits the data loaders
+    read (those of them that name a ``lowbit_text`` dataset) and the tokenizer
+    ``hf_assets_path`` names exist, each missing one named with the command that builds it."""
+    for loader in dataloaders:
+        if getattr(loader, "enable", True) is False:  # a validator that is off reads nothing
+            continue
+        loader = getattr(loader, "dataloader", loader)  # a validator holds its data loader
+        name = getattr(loader, "dataset", None)
+        if name not in ("lowbit_text", "lowbit_text_validation"):
+            continue
+        split = "train" if name == "lowbit_text" else "validation"
+        folder = getattr(loader, "dataset_path", None) or str(data_dir())
+        data_file = os.path.join(folder, SPLIT_FILES[split])
+        if not os.path.isfile(data_file):
+            raise _missing(f"dataset file {data_file}", folder, split)
+        if os.path.abspath(hf_assets_path) == os.path.abspath(corpus_tokenizer(folder)) and not os.path.isfile(
+                os.path.join(hf_assets_path, "tokenizer.json")):
+            raise _missing(f"tokenizer {hf_assets_path}", folder, "train")
 
 
 def register() -> None:

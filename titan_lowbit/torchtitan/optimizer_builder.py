@@ -22,24 +22,23 @@ from torchtitan.components.optimizer import (
 from torchtitan.tools.logging import logger
 
 from titan_lowbit.config import LowBit, lowbit_of
+from titan_lowbit.torchtitan.lowbit_optimizers import (
+    FP32_ADAMW_STATE_BYTES,
+    is_lowbit,
+    settled_step,
+    state_bytes_per_param,
+)
 
 # titan_lowbit.optim (and with it Triton) is imported only when an optimizer name needs
 # it, so a run with torch's Adam/AdamW loads no kernels.
 
 TORCH_OPTIMIZERS = ("Adam", "AdamW")
-FP32_ADAMW_STATE_BYTES = 8.0
 
 
 def valid_optimizer_names() -> list[str]:
     from titan_lowbit.optim import OPTIMIZERS
 
     return sorted(set(TORCH_OPTIMIZERS) | set(OPTIMIZERS))
-
-
-def is_lowbit(optimizer) -> bool:
-    """Whether ``optimizer`` is titan_lowbit's LowBitAdamW (told by its interface, so that
-    runs with torch's Adam/AdamW never import titan_lowbit.optim)."""
-    return hasattr(optimizer, "state_bytes_per_param")
 
 
 def check_optimizer_name(name: str) -> None:
@@ -64,21 +63,6 @@ class NamedParamsOptimizer:
 
 def _params(model_parts: list[nn.Module]) -> list[nn.Parameter]:
     return [p for m in model_parts for p in m.parameters() if p.requires_grad]
-
-
-def state_bytes_per_param(optimizers: OptimizersContainer) -> float:
-    """Optimizer-state bytes per trainable parameter element, over all model parts."""
-    total_bytes = total_numel = 0.0
-    for opt in optimizers:
-        numel = sum(p.numel() for g in opt.param_groups for p in g["params"])
-        if is_lowbit(opt):
-            total_bytes += opt.state_bytes_per_param() * numel
-        else:  # torch Adam/AdamW: exp_avg and exp_avg_sq in the parameter's dtype
-            total_bytes += sum(
-                2 * p.numel() * p.element_size() for g in opt.param_groups for p in g["params"]
-            )
-        total_numel += numel
-    return total_bytes / max(total_numel, 1)
 
 
 def check_combination(name: str, lowbit: LowBit, early_step_in_backward: bool,
@@ -171,33 +155,11 @@ def build_lowbit_optimizers(
 class LowBitOptimizersContainer(OptimizersContainer):
     """torchtitan's container (one optimizer per model part, as under pipeline
     parallelism) whose step settles the non-finite checks of every part before it steps
-    any: torchtitan's steps the parts one after another, so a raise in the second part,
-    or a skip of it alone, would leave the first part stepped and the parts out of step.
-    ``raise``: the errors of earlier steps' in-kernel checks; ``skip``: this step's
-    gradients."""
+    any (``lowbit_optimizers.settled_step``)."""
 
     def step(self, *args, **kwargs) -> None:
-        if len(self.optimizers) > 1:
-            for i, opt in enumerate(self.optimizers):
-                try:
-                    opt.raise_pending_nonfinite()
-                except FloatingPointError as e:
-                    raise FloatingPointError(f"model part {i}: {e}; no model part took this step") from None
-            found = [(i, opt.find_nonfinite_grad()) for i, opt in enumerate(self.optimizers)]
-            bad = [(i, name) for i, name in found if name is not None]
-            if bad:
-                i, name = bad[0]
-                where = f"param '{name}' of model part {i}" if name else "a parameter on another rank"
-                for opt in self.optimizers:
-                    opt.count_skipped_step(where)
-                return
-            for opt in self.optimizers:
-                opt.grads_checked = True
-        try:
-            super().step(*args, **kwargs)
-        finally:  # an optimizer that raised before its step left its flag set
-            for opt in self.optimizers:
-                opt.grads_checked = False
+        settled_step(self.optimizers, lambda: super(LowBitOptimizersContainer, self).step(*args, **kwargs),
+                     lambda i: f"model part {i}")
 
 
 def describe(optimizers: OptimizersContainer, optimizer_name: str, lowbit: LowBit, converters) -> str:

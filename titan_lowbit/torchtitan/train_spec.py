@@ -10,10 +10,10 @@ wrapped:
   FSDP2 shards and initializes parameters in that dtype, then runs torchtitan's own,
   gives tensor-parallel BitNet layers their TP group (``enable_tensor_parallel``), and
   remembers which JobConfig the model was built with;
-- ``build_optimizers_fn`` (see :mod:`titan_lowbit.optimizer_builder`) reads that
+- ``build_optimizers_fn`` (see :mod:`titan_lowbit.torchtitan.optimizer_builder`) reads that
   JobConfig, because torchtitan passes it only the ``[optimizer]`` section;
 - ``build_tokenizer_fn`` gives a config that trains on ``lowbit_text`` without
-  ``[model] hf_assets_path`` that corpus' tokenizer (:mod:`titan_lowbit.datasets`).
+  ``[model] hf_assets_path`` that corpus' tokenizer (:mod:`titan_lowbit.torchtitan.datasets`).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import torch.nn as nn
 import torchtitan.protocols.train_spec as train_spec_module
 from torchtitan.tools.logging import logger
 
-from titan_lowbit import cpu_device, datasets
+from titan_lowbit.torchtitan import cpu_device, datasets
 from titan_lowbit.bitnet import enable_tensor_parallel
 from titan_lowbit.config import check_bitnet_keys, lowbit_of
-from titan_lowbit.optimizer_builder import wrap_build_optimizers
+from titan_lowbit.torchtitan.optimizer_builder import wrap_build_optimizers
 
 _JOB_CONFIGS: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
 _original_get_train_spec = train_spec_module.get_train_spec

@@ -1,6 +1,6 @@
 """The CPU device path: run the real torchtitan Trainer on a machine with no GPU.
 
-torchtitan 0.2.x picks its device once, at import, through
+torchtitan (0.2 and 0.3 alike) picks its device once, at import, through
 ``torchtitan.tools.utils.get_device_info()``; with no accelerator it falls back to
 ``"cuda"`` and ``torch.cuda``, and the Trainer then fails at ``set_device``. This module
 is the one place where titan_lowbit teaches torchtitan about the CPU:
@@ -169,33 +169,50 @@ def switch() -> bool:
     return True
 
 
+# Where each torchtitan line keeps a copy of its device globals: torchtitan modules import
+# ``device_type``/``device_module`` by name, so every module holding a copy is updated.
+DEVICE_GLOBALS = {
+    (0, 2): {
+        "torchtitan.tools.utils": ("device_type", "device_module"),
+        "torchtitan.distributed.utils": ("device_type", "device_module"),
+        "torchtitan.components.metrics": ("device_type", "device_module"),
+        "torchtitan.distributed.parallel_dims": ("device_type",),
+        "torchtitan.tools.profiling": ("device_module",),
+    },
+    (0, 3): {
+        "torchtitan.tools.utils": ("device_type", "device_module"),
+        "torchtitan.distributed.utils": ("device_type", "device_module"),
+        "torchtitan.components.metrics": ("device_type", "device_module"),
+        "torchtitan.distributed.parallel_dims": ("device_type",),
+        "torchtitan.tools.profiler": ("device_module",),
+        "torchtitan.models.common.token_dispatcher": ("device_type", "device_module"),
+    },
+}
+
+
 def enable() -> None:
     """Point torchtitan's device globals at the CPU, everywhere they were copied.
 
-    torchtitan modules import ``device_type``/``device_module`` by name, so each module
-    that holds a copy is updated; the list is checked so a torchtitan upgrade that
-    moves them fails loudly instead of half-switching.
+    The list of holders is checked, so a torchtitan release that moves them fails loudly
+    instead of half-switching.
     """
-    import torchtitan.components.metrics as metrics
-    import torchtitan.distributed.parallel_dims as parallel_dims
-    import torchtitan.distributed.utils as dist_utils
-    import torchtitan.tools.profiling as profiling
-    import torchtitan.tools.utils as tt_utils
+    import importlib
 
-    holders = {
-        tt_utils: ("device_type", "device_module"),
-        dist_utils: ("device_type", "device_module"),
-        metrics: ("device_type", "device_module"),
-        parallel_dims: ("device_type",),
-        profiling: ("device_module",),
-    }
+    from titan_lowbit.compat import torchtitan_line
+
+    line = torchtitan_line()
+    holders = DEVICE_GLOBALS.get(line)
+    if holders is None:
+        raise RuntimeError(f"titan_lowbit's CPU path knows torchtitan lines {sorted(DEVICE_GLOBALS)}, "
+                           f"not {line}")
     values = {"device_type": "cpu", "device_module": CpuDeviceModule}
-    for module, names in holders.items():
+    for module_name, names in holders.items():
+        module = importlib.import_module(module_name)
         for name in names:
             if not hasattr(module, name):
                 raise RuntimeError(
-                    f"titan_lowbit's CPU path expects {module.__name__}.{name}; this "
-                    "torchtitan version is not supported (need torchtitan>=0.2.2,<0.3)"
+                    f"titan_lowbit's CPU path expects {module_name}.{name}; this torchtitan "
+                    f"version is not supported (tested: {', '.join(map(str, sorted(DEVICE_GLOBALS)))})"
                 )
             setattr(module, name, values[name])
 

@@ -1,0 +1,313 @@
+"""The torchtitan 0.3 integration (titan_lowbit.torchtitan.v03 and config_registry).
+
+Runs where torchtitan 0.3 is installed (CI's second environment, README "torchtitan 0.3");
+with torchtitan 0.2 installed the 0.2 integration's tests run instead and this module is
+skipped. In-process: the optimizer container (titan_lowbit's names as param-group
+optimizer names, mixed with torch's AdamW), its refusals, torchtitan's zero-gradient
+initialisation step, the overrides and the BitNet converter. End to end, on 2 gloo
+processes through ``torchrun -m torchtitan.train``: the ready debug config with 8-bit
+states and bf16 master_remainder weights, 4-bit states with stochastic rounding through
+the override, BitNet; a run checkpointed at step 4 and resumed ends bit for bit where the
+straight run ends (every model and optimizer tensor of the last checkpoint), and a
+2-process checkpoint continues on 1 process.
+"""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from titan_lowbit.compat import torchtitan_line
+
+if torchtitan_line() != (0, 3):
+    pytest.skip("needs torchtitan 0.3 (the 0.2 line's integration is tested by the other modules)",
+                allow_module_level=True)
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from conftest import ROOT, cpu_run_env, run_once_more_after_teardown_abort, step_losses  # noqa: E402
+from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig, default_adamw  # noqa: E402
+from torchtitan.components.optimizer.utils import init_optim_state  # noqa: E402
+
+from titan_lowbit.optim import LowBitAdamW  # noqa: E402
+from titan_lowbit.torchtitan import v03  # noqa: E402
+
+WEIGHT_UPDATES = ("nearest", "stochastic", "kahan", "master", "master_remainder")
+
+
+class Tiny(nn.Module):
+    """Matrices big enough for quantized states, a norm and an embedding."""
+
+    def __init__(self, dtype=torch.bfloat16):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.tok_embeddings = nn.Parameter(torch.randn(64, 96, generator=g).to(dtype))
+        self.w1 = nn.Parameter(torch.randn(96, 160, generator=g).to(dtype))
+        self.w2 = nn.Parameter(torch.randn(160, 96, generator=g).to(dtype))
+        self.norm = nn.Parameter(torch.ones(96, dtype=dtype))
+
+    def loss(self, x):
+        h = self.tok_embeddings[x] * self.norm
+        return ((h @ self.w1).relu() @ self.w2).float().square().mean()
+
+
+def container(model, name="AdamW8bit", weight_update="master_remainder", **extra):
+    kw = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "weight_update": weight_update}
+    config = v03.LowBitOptimizersContainer.Config(param_groups=[
+        ParamGroupConfig(pattern=r"norm|tok_embeddings", optimizer_name="AdamW",
+                         optimizer_kwargs={**kw, "weight_decay": 0.0}),
+        ParamGroupConfig(pattern=r".*", optimizer_name=name, optimizer_kwargs={**kw, "min_quantized_numel": 1024}),
+    ], **extra)
+    return config.build(model_parts=[model])
+
+
+def train(model, opt, steps, start=0):
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 64, (8,), generator=g) for _ in range(start + steps)][start:]
+    for x in batches:
+        model.loss(x).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def snapshot(model, opt):
+    out = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for key, value in opt.state_dict().items():
+        out[key] = value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+    return out
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], torch.Tensor):
+            assert torch.equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+def test_lowbit_names_are_param_group_optimizers_beside_torch_adamw():
+    model = Tiny(torch.float32)
+    opt = container(model, weight_update="nearest")
+    kinds = {type(o).__name__: o for o in opt}
+    assert set(kinds) == {"AdamW", "LowBitAdamW"}, kinds  # torch's AdamW stays torch's
+    lowbit = kinds["LowBitAdamW"]
+    assert {g["state_format"] for g in lowbit.param_groups} == {"8bit"}
+    assert lowbit.param_groups[0]["param_names"] == ["w1", "w2"]
+    sd = opt.state_dict()  # torchtitan's flat, FQN-keyed state dict
+    assert "state.w1.exp_avg_codes" in sd and "state.norm.exp_avg" in sd
+    assert sd["param_groups.w1.state_format"] == "8bit"
+
+
+def test_torch_adamw_group_with_a_bf16_update_rule_is_lowbit_fp32():
+    opt = container(Tiny(), name="AdamW4bit", weight_update="kahan")
+    formats = sorted(g["state_format"] for o in opt for g in o.param_groups)
+    assert formats == ["4bit", "fp32"]
+    assert all(isinstance(o, LowBitAdamW) for o in opt)
+
+
+@pytest.mark.parametrize("weight_update", WEIGHT_UPDATES)
+def test_zero_gradient_initialisation_step_changes_nothing(weight_update):
+    """torchtitan's checkpointer calls init_optim_state (a zero-gradient step at lr 0)
+    before every save and load; titan_lowbit's optimizers have their states from the
+    start, so it is a no-op: training after a state_dict() (which runs it) and a
+    load_state_dict() of that same state is bit for bit the training without them. (The
+    AdamW group is LowBitAdamW with fp32 states here, through its non-finite policy:
+    torch's own AdamW does take that step, and counts it.)"""
+    lowbit_only = {"optimizer_factory_kwargs_by_name": {"AdamW": {"nonfinite_grad": "raise"}}}
+    ref_model = Tiny()
+    ref = container(ref_model, weight_update=weight_update, **lowbit_only)
+    train(ref_model, ref, 3)
+
+    model = Tiny()
+    opt = container(model, weight_update=weight_update, **lowbit_only)
+    assert all(isinstance(o, LowBitAdamW) for o in opt)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for o in opt:
+        if isinstance(o, LowBitAdamW):
+            init_optim_state(o)
+    sd = opt.state_dict()
+    assert all(float(v) == 0 for k, v in sd.items() if k.endswith(".step")), "a step was taken"
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+    opt.load_state_dict(sd)
+    train(model, opt, 3)
+    assert_same(snapshot(model, opt), snapshot(ref_model, ref))
+
+
+@pytest.mark.parametrize("weight_update", ["stochastic", "master_remainder"])
+def test_state_dict_round_trip_resumes_bit_for_bit(weight_update):
+    ref_model = Tiny()
+    ref = container(ref_model, weight_update=weight_update)
+    train(ref_model, ref, 6)
+
+    first = Tiny()
+    opt = container(first, weight_update=weight_update)
+    train(first, opt, 3)
+    saved = snapshot(first, opt)
+    second = Tiny()
+    with torch.no_grad():
+        for n, p in second.named_parameters():
+            p.copy_(saved[n])
+    resumed = container(second, weight_update=weight_update)
+    resumed.load_state_dict({k: v for k, v in saved.items() if "." in k})
+    train(second, resumed, 3, start=3)
+    assert_same(snapshot(second, resumed), snapshot(ref_model, ref))
+
+
+def test_refusals_name_the_setting():
+    with pytest.raises(ValueError, match=r"'AdamW9bit' is not a known optimizer.*AdamW8bit"):
+        container(Tiny(), name="AdamW9bit")
+    with pytest.raises(ValueError, match=r"weight_update = 'stochastic'.*all fp32.*--training.dtype bfloat16"):
+        container(Tiny(torch.float32), weight_update="stochastic")
+    with pytest.raises(ValueError, match=r"state_format.*the name fixes"):
+        v03.LowBitOptimizersContainer.Config(param_groups=[ParamGroupConfig(
+            pattern=".*", optimizer_name="AdamW8bit", optimizer_kwargs={"lr": 1e-3, "state_format": "4bit"})]
+        ).build(model_parts=[Tiny()])
+    with pytest.raises(ValueError, match=r"optimizer_factory_kwargs_by_name\['AdamW8bit'\] has \['fused'\]"):
+        container(Tiny(), optimizer_factory_kwargs_by_name={"AdamW8bit": {"fused": True}})
+    with pytest.raises(ValueError, match=r"torch's AdamW, which has no option block_size"):
+        v03.LowBitOptimizersContainer.Config(param_groups=[ParamGroupConfig(
+            pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3, "block_size": 64})]
+        ).build(model_parts=[Tiny()])
+
+
+def test_nonfinite_skip_skips_every_optimizer_of_the_container():
+    model = Tiny()
+    opt = container(model, optimizer_factory_kwargs_by_name={"AdamW8bit": {"nonfinite_grad": "skip"}})
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.loss(torch.arange(8)).backward()
+    model.w1.grad[0, 0] = float("nan")
+    opt.step()
+    for n, p in model.named_parameters():  # torch's AdamW (norm, embeddings) did not step either
+        assert torch.equal(p, before[n]), n
+    assert next(o for o in opt if isinstance(o, LowBitAdamW) and o.nonfinite_grad == "skip").skipped_steps == 1
+
+
+def test_lowbit_adamw_override_turns_torch_adamw_groups_into_lowbit():
+    config = default_adamw(lr=3e-4)
+    new = v03.lowbit_adamw(config, name="AdamW4bit", weight_update="stochastic", seed=7)
+    assert isinstance(new, v03.LowBitOptimizersContainer.Config) and new.seed == 7
+    assert [(g.optimizer_name, g.optimizer_kwargs["weight_update"]) for g in new.param_groups] == [
+        ("AdamW4bit", "stochastic")]
+    with pytest.raises(ValueError, match="replaces torch's Adam groups"):
+        v03.lowbit_adamw(config, name="Adam8bit")
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['weight_updat'\]"):
+        v03.lowbit_adamw(config, weight_updat="stochastic")
+
+
+def test_bitnet_converter_converts_the_layers_linears_only():
+    from torchtitan.models.llama3 import model_registry
+
+    spec = model_registry("debugmodel", converters=[v03.BitNetConverter.Config()])
+    with torch.device("meta"):
+        model = spec.model.build()
+    bitnet = sorted(n for n, m in model.named_modules() if isinstance(m, v03.BitNetLinear))
+    linears = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear))
+    assert bitnet and all(n.startswith("layers.") for n in bitnet)
+    assert set(linears) - set(bitnet) == {"lm_head"}
+    model.verify_module_protocol()
+    with pytest.raises(ValueError, match="match no Linear"):
+        model_registry("debugmodel", converters=[v03.BitNetConverter.Config(fqns=["nothing.*"])])
+
+
+# ------------------------------------------------------------------------------------------
+# end to end: torchrun -m torchtitan.train on gloo processes
+# ------------------------------------------------------------------------------------------
+def train_run(dump, *args, config="llama3_debug", nproc=2, steps=8):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "--local-ranks-filter", "0", "-m", "torchtitan.train", "--module", "titan_lowbit.torchtitan",
+           "--config", config, "--dump_folder", str(dump), "--training.steps", str(steps),
+           "--metrics.disable_color_printing", *args]
+    proc = run_once_more_after_teardown_abort(cmd, cpu_run_env(), 900, nproc)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc.stdout + proc.stderr
+
+
+def checkpoint_tensors(folder):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = folder.parent / (folder.name + ".pt")
+    dcp_to_torch_save(str(folder), str(out))
+    return torch.load(out, weights_only=False)
+
+
+def flatten(tree, prefix=""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from flatten(v, f"{prefix}{k}.")
+    else:
+        yield prefix.rstrip("."), tree
+
+
+CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.no-last_save_model_only"]
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory, prepared_data):
+    dump = tmp_path_factory.mktemp("straight03")
+    log = train_run(dump, *CHECKPOINT)
+    return dump, log
+
+
+def test_debug_config_trains_with_8bit_states_and_master_remainder(straight_run):
+    dump, log = straight_run
+    assert "titan_lowbit fp32 states, weights bfloat16, bf16 update master_remainder" in log
+    assert "titan_lowbit 8bit states, weights bfloat16, bf16 update master_remainder" in log
+    losses = step_losses(log)
+    assert sorted(losses) == list(range(1, 9))
+    assert float(losses[8]) < float(losses[1]) - 0.5, losses
+
+
+def test_resume_from_step_4_ends_bit_for_bit_where_the_straight_run_ends(straight_run, tmp_path):
+    dump, log = straight_run
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoint").mkdir(parents=True)
+    os.symlink(dump / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
+    resumed_log = train_run(resumed, *CHECKPOINT)
+    assert "Training starts at step 5" in resumed_log
+    straight, again = step_losses(log), step_losses(resumed_log)
+    assert {s: again[s] for s in range(5, 9)} == {s: straight[s] for s in range(5, 9)}
+    a = dict(flatten(checkpoint_tensors(dump / "checkpoint" / "step-8")))
+    b = dict(flatten(checkpoint_tensors(resumed / "checkpoint" / "step-8")))
+    assert a.keys() == b.keys()
+    tensors = [k for k in a if isinstance(a[k], torch.Tensor)]
+    assert any("exp_avg_codes" in k for k in tensors) and any("master_remainder" in k for k in tensors)
+    for k in tensors:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_two_process_checkpoint_continues_on_one_process(straight_run, tmp_path):
+    dump, log = straight_run
+    resumed = tmp_path / "one"
+    (resumed / "checkpoint").mkdir(parents=True)
+    os.symlink(dump / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
+    one_log = train_run(resumed, "--checkpoint.enable", "--checkpoint.exclude_from_loading", "dataloader",
+                        nproc=1, steps=6)
+    losses = step_losses(one_log)
+    assert "Training starts at step 5" in one_log and sorted(losses) == [5, 6]
+    assert abs(float(losses[5]) - float(step_losses(log)[5])) < 0.5, (losses, step_losses(log))
+
+
+def test_4bit_states_with_stochastic_rounding_through_the_override(tmp_path, prepared_data):
+    override = json.dumps({"name": "AdamW4bit", "weight_update": "stochastic"})
+    log = train_run(tmp_path, "--override.imports", f"titan_lowbit.torchtitan.v03.lowbit_adamw={override}",
+                    steps=6)
+    assert "titan_lowbit 4bit states, weights bfloat16, bf16 update stochastic" in log
+    losses = step_losses(log)
+    assert float(losses[6]) < float(losses[1]) - 0.3, losses
+
+
+def test_bitnet_trains_and_resumes_bit_for_bit(tmp_path, prepared_data):
+    straight = train_run(tmp_path / "a", *CHECKPOINT, config="llama3_debug_bitnet")
+    assert "BitNet linears 42" in straight or "BitNet linears" in straight
+    resumed = tmp_path / "b"
+    (resumed / "checkpoint").mkdir(parents=True)
+    os.symlink(tmp_path / "a" / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
+    again = train_run(resumed, *CHECKPOINT, config="llama3_debug_bitnet")
+    a, b = step_losses(straight), step_losses(again)
+    assert float(a[8]) < float(a[1]) - 0.3, a
+    assert {s: b[s] for s in range(5, 9)} == {s: a[s] for s in range(5, 9)}

@@ -1,0 +1,75 @@
+"""What both torchtitan lines share about titan_lowbit's optimizers inside torchtitan's
+optimizer container: telling them apart from torch's, their state bytes, and one
+container step that settles every optimizer's non-finite checks before any steps.
+
+No torchtitan import: the 0.2 builder (``optimizer_builder``) and the 0.3 container
+(``v03``) both use this module.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+
+FP32_ADAMW_STATE_BYTES = 8.0
+
+
+def is_lowbit(optimizer) -> bool:
+    """Whether ``optimizer`` is titan_lowbit's LowBitAdamW (told by its interface, so that
+    runs with torch's Adam/AdamW never import titan_lowbit.optim)."""
+    return hasattr(optimizer, "state_bytes_per_param")
+
+
+def state_bytes_per_param(optimizers: Iterable[torch.optim.Optimizer]) -> float:
+    """Optimizer-state bytes per trainable parameter element, over all optimizers."""
+    total_bytes = total_numel = 0.0
+    for opt in optimizers:
+        numel = sum(p.numel() for g in opt.param_groups for p in g["params"])
+        if is_lowbit(opt):
+            total_bytes += opt.state_bytes_per_param() * numel
+        else:  # torch Adam/AdamW: exp_avg and exp_avg_sq in the parameter's dtype
+            total_bytes += sum(
+                2 * p.numel() * p.element_size() for g in opt.param_groups for p in g["params"]
+            )
+        total_numel += numel
+    return total_bytes / max(total_numel, 1)
+
+
+def settled_step(optimizers: list[torch.optim.Optimizer], step_all: Callable[[], None],
+                 where: Callable[[int], str]) -> None:
+    """Step every optimizer of a container through ``step_all``, after settling the
+    non-finite checks of all titan_lowbit optimizers among them.
+
+    A container steps its optimizers one after another (one per model part under
+    pipeline parallelism; one per optimizer name of the param groups on torchtitan 0.3),
+    so a raise in the second, or a skip of it alone, would leave the first stepped and
+    the model out of step with itself. ``raise``: the errors of earlier steps' in-kernel
+    checks are raised before anything steps; ``skip``: this step's gradients of every
+    titan_lowbit optimizer are checked first, and a non-finite one skips the step of
+    every optimizer of the container (torch's too), counted by each titan_lowbit one.
+    ``where(i)`` names optimizer ``i`` in messages."""
+    lowbit = [(i, opt) for i, opt in enumerate(optimizers) if is_lowbit(opt)]
+    if len(optimizers) < 2 or not lowbit:
+        step_all()
+        return
+    for i, opt in lowbit:
+        try:
+            opt.raise_pending_nonfinite()
+        except FloatingPointError as e:
+            raise FloatingPointError(f"{where(i)}: {e}; no optimizer of the model took this step") from None
+    found = [(i, opt.find_nonfinite_grad()) for i, opt in lowbit]
+    bad = [(i, name) for i, name in found if name is not None]
+    if bad:
+        i, name = bad[0]
+        at = f"param '{name}' of {where(i)}" if name else "a parameter on another rank"
+        for _, opt in lowbit:
+            opt.count_skipped_step(at)
+        return
+    for _, opt in lowbit:
+        opt.grads_checked = True
+    try:
+        step_all()
+    finally:  # an optimizer that raised before its step left its flag set
+        for _, opt in lowbit:
+            opt.grads_checked = False

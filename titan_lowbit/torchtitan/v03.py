@@ -1,0 +1,420 @@
+"""The torchtitan 0.3 line: titan_lowbit through 0.3's own mechanisms.
+
+torchtitan 0.3 configures a run with Python (``Trainer.Config`` trees from a
+``config_registry``), builds every component from its ``Config`` and lets any config node
+be swapped by an ``@override`` factory named in ``--override.imports``. titan_lowbit
+plugs in at those points, without touching torchtitan's module state:
+
+- :class:`LowBitOptimizersContainer` is torchtitan's ``OptimizersContainer`` with
+  titan_lowbit's optimizer names (``AdamW8bit``, ``AdamW4bit``, ``AdamWFp8``, ``Adam*``)
+  valid as a param group's ``optimizer_name``: "8-bit AdamW for the matrices, torch AdamW
+  for norms and embeddings" is one config. A group's ``optimizer_kwargs`` take
+  LowBitAdamW's per-group options (``weight_update``, ``block_size``,
+  ``min_quantized_numel``); ``optimizer_factory_kwargs_by_name`` its per-optimizer ones
+  (``nonfinite_grad``, ``seed``). A torch ``Adam``/``AdamW`` group given a bf16 update
+  rule torch lacks is stepped by LowBitAdamW with fp32 states, as on the 0.2 line.
+- :class:`BitNetLinear` is torchtitan's ``Linear`` with a BitNet b1.58 weight;
+  :class:`BitNetConverter` (a ``ModelConfigConverter``) puts it in place of the
+  ``Linear`` configs whose FQN matches its globs (default: every linear of the
+  transformer layers, so the output head stays in high precision).
+- :class:`LowBitTrainer` is torchtitan's ``Trainer`` that also takes the CPU path where
+  there is no GPU (gloo, the kernels' PyTorch references), refuses what would not work,
+  precomputes the sharded BitNet weights' scales after each optimizer step with one
+  all-reduce, and logs one line saying what titan_lowbit changed.
+- ``@override`` factories for configs titan_lowbit did not write:
+  :func:`lowbit_adamw` (every ``Adam``/``AdamW`` group becomes a titan_lowbit optimizer)
+  and :func:`bitnet` (the transformer layers' linears become BitNet linears).
+
+The ready configs are in :mod:`titan_lowbit.torchtitan.config_registry`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field, replace
+from fnmatch import fnmatch
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.nn.attention.flex_attention import create_mask
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.config.override import derive, override
+from torchtitan.models.common.attention import FlexAttention
+from torchtitan.models.common.linear import Linear
+from torchtitan.protocols.model import ModelConfigConverter
+from torchtitan.trainer import Trainer
+
+from titan_lowbit.bitnet.converter import convert_to_bitnet
+from titan_lowbit.bitnet.linear import BitNetLinear as _BitNetForward
+from titan_lowbit.bitnet.weight import local_training_weight, precompute_scales
+from titan_lowbit.torchtitan import cpu_device, datasets
+from titan_lowbit.torchtitan.lowbit_optimizers import (
+    FP32_ADAMW_STATE_BYTES,
+    is_lowbit,
+    settled_step,
+    state_bytes_per_param,
+)
+
+logger = logging.getLogger(__name__)
+
+TORCH_OPTIMIZERS = ("Adam", "AdamW")
+# LowBitAdamW's options, by where torchtitan 0.3 passes them: a param group's
+# optimizer_kwargs, or the optimizer's factory kwargs (one value per optimizer).
+GROUP_OPTIONS = ("weight_update", "block_size", "min_quantized_numel")
+OPTIMIZER_OPTIONS = ("nonfinite_grad", "seed")
+# torchtitan's implementation switch, which it adds to every group: titan_lowbit's
+# optimizers always run their own fused multi-tensor kernel.
+IMPLEMENTATION_KEYS = ("fused", "foreach")
+
+
+def lowbit_names() -> list[str]:
+    """titan_lowbit's optimizer names (torch's Adam/AdamW are torchtitan's own)."""
+    from titan_lowbit.optim import OPTIMIZERS
+
+    return [n for n in OPTIMIZERS if n not in TORCH_OPTIMIZERS]
+
+
+def _build_lowbit(name: str, param_groups: list[dict[str, Any]], **optimizer_kwargs) -> torch.optim.Optimizer:
+    """Build LowBitAdamW for the param groups torchtitan gathered under ``name``."""
+    from titan_lowbit.optim import OPTIMIZERS, LowBitAdamW
+
+    groups = []
+    for group in param_groups:
+        group = {k: v for k, v in group.items() if k not in IMPLEMENTATION_KEYS}
+        clash = sorted(set(OPTIMIZERS[name]) & set(group))
+        if clash:
+            raise ValueError(
+                f"optimizer {name!r}: optimizer_kwargs sets {clash}, which the name fixes "
+                f"({OPTIMIZERS[name]}); remove {'them' if len(clash) > 1 else 'it'}, or name the "
+                "optimizer that has the format wanted"
+            )
+        if group.get("weight_update", "nearest") != "nearest" and not any(
+                p.dtype == torch.bfloat16 for p in group["params"]):
+            names = group.get("param_names") or []
+            raise ValueError(
+                f"optimizer {name!r}: weight_update = {group['weight_update']!r} rounds AdamW's result "
+                f"into bf16 weights, but the group's parameters ({', '.join(names[:3])}"
+                f"{', ...' if len(names) > 3 else ''}) are all fp32 (updated exactly). Train in bf16 "
+                "(--training.dtype bfloat16) for full-BF16 training, or remove weight_update."
+            )
+        groups.append(group)
+    unknown = sorted(set(optimizer_kwargs) - set(OPTIMIZER_OPTIONS))
+    if unknown:
+        raise ValueError(
+            f"optimizer_factory_kwargs_by_name[{name!r}] has {unknown}; titan_lowbit's optimizers "
+            f"take {list(OPTIMIZER_OPTIONS)} there, and the per-group options {list(GROUP_OPTIONS)} "
+            "in a param group's optimizer_kwargs"
+        )
+    return LowBitAdamW(groups, **optimizer_kwargs, **OPTIMIZERS[name])
+
+
+def _wants_lowbit(group_options: dict[str, Any], optimizer_options: dict[str, Any]) -> bool:
+    """Whether a torch ``Adam``/``AdamW`` group needs LowBitAdamW: a bf16 update rule
+    other than torch's round-to-nearest, or the non-finite policy."""
+    return group_options.get("weight_update", "nearest") != "nearest" or "nonfinite_grad" in optimizer_options
+
+
+def _build_torch_or_lowbit(name: str, param_groups: list[dict[str, Any]], **optimizer_kwargs) -> torch.optim.Optimizer:
+    """torch's Adam/AdamW, as torchtitan builds them, unless a group asks for an option
+    torch's lacks (a bf16 update rule, the non-finite policy): then LowBitAdamW with fp32
+    states, the same math with that option."""
+    if any(_wants_lowbit(g, optimizer_kwargs) for g in param_groups):
+        return _build_lowbit(name, param_groups, **optimizer_kwargs)
+    for group in param_groups:
+        ignored = [k for k in GROUP_OPTIONS if k in group and k != "weight_update"]
+        if ignored:
+            raise ValueError(
+                f"optimizer {name!r} is torch's {name}, which has no option {', '.join(ignored)}; remove "
+                f"{'them' if len(ignored) > 1 else 'it'}, or name a titan_lowbit optimizer ({', '.join(lowbit_names())})"
+            )
+    torch_groups = [{k: v for k, v in g.items() if k != "weight_update"} for g in param_groups]
+    torch_kwargs = {k: v for k, v in optimizer_kwargs.items() if k != "seed"}
+    return OptimizersContainer._resolve_optimizer_factory(name)(torch_groups, **torch_kwargs)
+
+
+class LowBitOptimizersContainer(OptimizersContainer):
+    """torchtitan 0.3's optimizer container with titan_lowbit's optimizer names.
+
+    Everything else is torchtitan's: regex param groups (first match wins), one optimizer
+    per name and model part, the flat FQN-keyed state dict for DCP. titan_lowbit's
+    optimizers create their states when built, so torchtitan's zero-gradient, zero-lr
+    initialisation step before a checkpoint save or load finds them and does nothing
+    (weights, states and the stochastic-rounding stream stay as they are). Its step
+    settles the non-finite checks of all titan_lowbit optimizers first
+    (``lowbit_optimizers.settled_step``)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(OptimizersContainer.Config):
+        seed: int | None = None
+        """Seed of the stochastic-rounding hash of every titan_lowbit optimizer (with the
+        step and the element's global index). None: ``debug.seed`` (0 when that is
+        unset) under titan_lowbit's trainer, else 0. An optimizer's own ``seed`` in
+        ``optimizer_factory_kwargs_by_name`` wins."""
+
+    def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
+        seed = 0 if config.seed is None else config.seed
+        names = {pg.optimizer_name for pg in config.param_groups}
+        factory_kwargs = {name: dict(kwargs) for name, kwargs in config.optimizer_factory_kwargs_by_name.items()}
+        for name in names & set(lowbit_names()):
+            factory_kwargs.setdefault(name, {}).setdefault("seed", seed)
+        for name in names & set(TORCH_OPTIMIZERS):  # seed, in case LowBitAdamW steps them
+            factory_kwargs.setdefault(name, {}).setdefault("seed", seed)
+        super().__init__(replace(config, optimizer_factory_kwargs_by_name=factory_kwargs),
+                         model_parts=model_parts)
+        if config.implementation != "fused" and any(is_lowbit(o) for o in self.optimizers):
+            logger.info(f"titan_lowbit: optimizer implementation = {config.implementation!r} applies to "
+                        "torch's optimizers; titan_lowbit's run their own fused kernel")
+        logger.info(describe(self))
+
+    @staticmethod
+    def _resolve_optimizer_factory(name: str):
+        if name in lowbit_names():
+            return functools.partial(_build_lowbit, name)
+        if name in TORCH_OPTIMIZERS:
+            return functools.partial(_build_torch_or_lowbit, name)
+        try:
+            return OptimizersContainer._resolve_optimizer_factory(name)
+        except NotImplementedError:
+            raise ValueError(
+                f"optimizer_name {name!r} is not a known optimizer; titan_lowbit's container knows "
+                f"{sorted(set(lowbit_names()) | set(TORCH_OPTIMIZERS))} and torchtitan's own"
+            ) from None
+
+    def step(self, closure=None) -> None:
+        assert closure is None, "OptimizersContainer does not support closures"
+        settled_step(self.optimizers, lambda: OptimizersContainer.step(self),
+                     lambda i: f"optimizer {i} ({type(self.optimizers[i]).__name__})")
+
+
+def describe(optimizers: OptimizersContainer) -> str:
+    """The one start-up line saying what titan_lowbit changed."""
+    parts = []
+    for opt in optimizers:
+        params = [p for g in opt.param_groups for p in g["params"]]
+        dtypes = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in params}))
+        if is_lowbit(opt):
+            updates = "/".join(sorted({g["weight_update"] for g in opt.param_groups}))
+            fmt = "/".join(sorted({g["state_format"] for g in opt.param_groups}))
+            update = updates if "bfloat16" in dtypes else "exact (fp32 weights)"
+            parts.append(f"{len(params)} params: titan_lowbit {fmt} states, weights {dtypes}, bf16 update {update}")
+        else:
+            parts.append(f"{len(params)} params: torch {type(opt).__name__}, weights {dtypes}")
+    bitnet = sum(1 for m in optimizers.model_parts for p in m.parameters() if local_training_weight(p) is not None)
+    per_param = state_bytes_per_param(optimizers)
+    return (f"titan_lowbit: {'; '.join(parts)}; BitNet linears {bitnet}; optimizer state {per_param:.3f} "
+            f"B/param vs {FP32_ADAMW_STATE_BYTES:.0f} for fp32 AdamW "
+            f"({FP32_ADAMW_STATE_BYTES / max(per_param, 1e-9):.2f}x less)")
+
+
+# ----------------------------------------------------------------------------------------
+# BitNet
+# ----------------------------------------------------------------------------------------
+class BitNetLinear(_BitNetForward, Linear):
+    """torchtitan's ``Linear`` whose weight is a BitNet b1.58 training weight: ternary
+    weight (abs-mean scale) x int8 activation (row abs-max) on int8 tensor cores, a
+    straight-through gradient; its state dict holds the plain latent weight."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Linear.Config):
+        int8_backward: bool = True
+        """Compute grad_input on int8 tensor cores (grad_output quantized row-wise);
+        False computes it in the activation dtype."""
+
+    def __init__(self, config: Config):
+        Linear.__init__(self, config)
+        convert_to_bitnet(self, filter_fqns=[], int8_backward=config.int8_backward)
+
+
+BITNET_FQNS = ["layers.*"]
+
+
+def to_bitnet(cfg: Linear.Config, int8_backward: bool = True) -> BitNetLinear.Config:
+    """The BitNet linear config in place of a plain ``Linear`` config."""
+    if isinstance(cfg, BitNetLinear.Config):
+        return cfg
+    if type(cfg) is not Linear.Config:
+        raise ValueError(
+            f"BitNet: {type(cfg).__qualname__} is a linear with math of its own (a float8/MX/NVFP4 "
+            "or tensor-parallel variant); BitNet would replace it. Leave it out of the BitNet FQNs, "
+            "or drop the other converter."
+        )
+    return derive(cfg, BitNetLinear.Config, int8_backward=int8_backward)
+
+
+class BitNetConverter(ModelConfigConverter):
+    """Model converter: the ``Linear`` configs whose FQN matches ``fqns`` become
+    :class:`BitNetLinear` configs. Pass it to a model registry's ``converters``, e.g.
+    ``model_registry("debugmodel", converters=[BitNetConverter.Config()])``."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ModelConfigConverter.Config):
+        fqns: list[str] = field(default_factory=lambda: list(BITNET_FQNS))
+        """FQN globs (fnmatch; ``*`` crosses dots) of the linears to convert; the default
+        takes every linear of the transformer layers and leaves the output head."""
+        int8_backward: bool = True
+
+    def __init__(self, config: Config):
+        self.config = config
+
+    def convert(self, model_config):
+        converted = 0
+        for fqn, cfg, parent, attr in list(model_config.traverse(Linear.Config)):
+            if any(fnmatch(fqn, glob) for glob in self.config.fqns):
+                new = to_bitnet(cfg, self.config.int8_backward)
+                if isinstance(parent, list):
+                    parent[attr] = new
+                else:
+                    setattr(parent, attr, new)
+                converted += 1
+        if not converted:
+            raise ValueError(f"BitNetConverter: fqns = {self.config.fqns} match no Linear of "
+                             f"{type(model_config).__qualname__}; fix the globs")
+        return model_config
+
+
+@override(target=Linear.Config, fqns=["model_spec.model.layers.*", "layers.*"],
+          description="titan_lowbit: BitNet b1.58 linears in the transformer layers")
+def bitnet(cfg: Linear.Config, int8_backward: bool = True) -> BitNetLinear.Config:
+    """``--override.imports titan_lowbit.torchtitan.v03.bitnet``: every linear of the
+    transformer layers becomes a BitNet linear (the output head stays)."""
+    return to_bitnet(cfg, int8_backward)
+
+
+@override(target=OptimizersContainer.Config,
+          description="titan_lowbit: low-bit AdamW states and bf16 update rules")
+def lowbit_adamw(cfg: OptimizersContainer.Config, name: str = "AdamW8bit", seed: int | None = None,
+                 nonfinite_grad: str | None = None, **group_options) -> LowBitOptimizersContainer.Config:
+    """``--override.imports 'titan_lowbit.torchtitan.v03.lowbit_adamw={"name": "AdamW8bit",
+    "weight_update": "master_remainder"}'``: every param group of torch's AdamW (or Adam,
+    for an ``Adam*`` name) becomes ``name`` with the given per-group options
+    (``weight_update``, ``block_size``, ``min_quantized_numel``); other groups stay."""
+    from titan_lowbit.optim import OPTIMIZERS
+
+    if name not in OPTIMIZERS:
+        raise ValueError(f"lowbit_adamw: name = {name!r}; choose one of {sorted(OPTIMIZERS)}")
+    unknown = sorted(set(group_options) - set(GROUP_OPTIONS))
+    if unknown:
+        raise ValueError(f"lowbit_adamw: unknown option(s) {unknown}; valid: name, seed, nonfinite_grad, "
+                         f"{', '.join(GROUP_OPTIONS)}")
+    family = "AdamW" if OPTIMIZERS[name]["decoupled_weight_decay"] else "Adam"
+    groups, matched = [], 0
+    for pg in cfg.param_groups:
+        if pg.optimizer_name == family:
+            pg = replace(pg, optimizer_name=name, optimizer_kwargs={**pg.optimizer_kwargs, **group_options})
+            matched += 1
+        groups.append(pg)
+    if not matched:
+        raise ValueError(f"lowbit_adamw: name = {name!r} replaces torch's {family} groups, but the config's "
+                         f"param groups use {sorted({pg.optimizer_name for pg in cfg.param_groups})}")
+    factory = {k: dict(v) for k, v in cfg.optimizer_factory_kwargs_by_name.items()}
+    if nonfinite_grad is not None:
+        factory.setdefault(name, {})["nonfinite_grad"] = nonfinite_grad
+    new = derive(cfg, LowBitOptimizersContainer.Config, param_groups=groups,
+                 optimizer_factory_kwargs_by_name=factory)
+    if seed is not None:
+        new.seed = seed
+    return new
+
+
+# ----------------------------------------------------------------------------------------
+# the trainer
+# ----------------------------------------------------------------------------------------
+def _bitnet_params(model_parts) -> list[nn.Parameter]:
+    return [p for m in model_parts for p in m.parameters() if local_training_weight(p) is not None]
+
+
+def _wrap_parallelize(parallelize_fn, on_cpu: bool):
+    @functools.wraps(parallelize_fn)
+    def parallelize(model, *args, parallel_dims, **kwargs):
+        if parallel_dims.tp > 1 and _bitnet_params([model]):
+            raise ValueError(
+                "BitNet linears with tensor parallelism are not supported on torchtitan 0.3 yet "
+                f"(--parallelism.tensor_parallel_degree = {parallel_dims.tp}): use FSDP "
+                "(data_parallel_shard_degree), or torchtitan 0.2.x, where BitNet x TP is tested."
+            )
+        model = parallelize_fn(model, *args, parallel_dims=parallel_dims, **kwargs)
+        if on_cpu:
+            cpu_device.use_gloo_reductions(model)
+        return model
+
+    parallelize.titan_lowbit_wrapped = True
+    return parallelize
+
+
+class CpuFlexAttention(FlexAttention):
+    """The CPU path's stand-in for FlexAttention, which has no backward on the CPU: the
+    same attention (the BlockMask's mask, e.g. causal within each document) computed by
+    ``F.scaled_dot_product_attention`` with the mask made dense."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(FlexAttention.Config):
+        pass
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks, score_mod=None, scale=None,
+                enable_gqa=False, out_transform=None, **kwargs):
+        if score_mod is not None or out_transform is not None:
+            raise NotImplementedError(
+                "titan_lowbit's CPU path computes FlexAttention as masked SDPA, which has no "
+                "score_mod or log-sum-exp output: this model's attention needs a GPU")
+        q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+        mask = create_mask(attention_masks.mask_mod, q.shape[0], 1, q.shape[2], k.shape[2], device=q.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+        return out.transpose(1, 2)
+
+
+def _use_cpu_attention(model_config) -> int:
+    """Put CpuFlexAttention in place of every FlexAttention config; returns how many."""
+    nodes = [(parent, attr, cfg) for _, cfg, parent, attr in model_config.traverse(FlexAttention.Config)
+             if type(cfg) is FlexAttention.Config]
+    for parent, attr, cfg in nodes:
+        new = derive(cfg, CpuFlexAttention.Config)
+        if isinstance(parent, list):
+            parent[attr] = new
+        else:
+            setattr(parent, attr, new)
+    return len(nodes)
+
+
+class LowBitTrainer(Trainer):
+    """torchtitan 0.3's Trainer with titan_lowbit's CPU path, start-up checks and BitNet
+    scale precompute (see the module docstring). Its config is torchtitan's, with one
+    more check: the corpus' files exist before anything is built."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        pass
+
+    def __init__(self, config: Config):
+        if not hasattr(torch.distributed, "set_timeout"):
+            raise RuntimeError(
+                f"torchtitan 0.3 needs torch >= 2.14 (it calls torch.distributed.set_timeout after "
+                f"the first step); this torch is {torch.__version__}. Install torch 2.14, or "
+                "torchtitan 0.2.2 for this torch.")
+        on_cpu = cpu_device.switch()
+        spec = config.model_spec
+        if on_cpu:
+            if config.parallelism.spmd_backend == "spmd_types":
+                raise ValueError(
+                    "titan_lowbit's CPU path runs torchtitan's DTensor backends: with "
+                    "--parallelism.spmd_backend spmd_types (torchtitan's default) FSDP2 stops on "
+                    "CPU meshes. Pass --parallelism.spmd_backend partial_dtensor (titan_lowbit's "
+                    "ready configs do).")
+            if spec is not None and _use_cpu_attention(spec.model):
+                logger.info("titan_lowbit: the CPU path computes FlexAttention as masked SDPA "
+                            "(FlexAttention has no backward on the CPU)")
+        if spec is not None and not getattr(spec.parallelize_fn, "titan_lowbit_wrapped", False):
+            config.model_spec = replace(spec, parallelize_fn=_wrap_parallelize(spec.parallelize_fn, on_cpu))
+        if isinstance(config.optimizer, LowBitOptimizersContainer.Config) and config.optimizer.seed is None:
+            config.optimizer.seed = config.debug.seed or 0
+        datasets.check_corpus(config.hf_assets_path, config.dataloader, config.validator)
+        super().__init__(config)
+        bitnet = _bitnet_params(self.model_parts)
+        if bitnet and any(isinstance(p, DTensor) for p in bitnet):
+            # After each optimizer step: every sharded weight's sum |W|, one all-reduce per
+            # sharded mesh dimension for all of them (instead of one per layer in the
+            # all-gather that follows).
+            self.optimizers.register_step_post_hook(lambda *args, **kwargs: precompute_scales(bitnet))
