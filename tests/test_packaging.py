@@ -20,7 +20,8 @@ from conftest import ROOT, step_losses
 
 README = ROOT / "README.md"
 CI = ROOT / ".ci" / "run"
-TEST_COMMAND = " && python -m pytest"
+TEST_COMMAND = " && python -m pytest"  # the whole suite, torchtitan 0.2 line
+TEST_COMMAND_03 = " && python -m pytest tests/test_torchtitan03.py"  # the torchtitan 0.3 line
 
 
 def code_blocks(language: str) -> list[str]:
@@ -33,17 +34,20 @@ def readme_lines(predicate) -> list[str]:
 
 
 def test_ci_installs_exactly_as_readme_says():
-    tests = readme_lines(lambda line: line.endswith(TEST_COMMAND))
-    assert len(tests) == 1, f"README.md should hold one test command, found {tests}"
-    install = tests[0].removesuffix(TEST_COMMAND)
+    installs = []
+    for command in (TEST_COMMAND, TEST_COMMAND_03):
+        tests = readme_lines(lambda line: line.endswith(command))
+        assert len(tests) == 1, f"README.md should hold one test command ending {command!r}, found {tests}"
+        installs.append(tests[0].removesuffix(command))
     ci = CI.read_text().splitlines()
-    assert [line for line in ci if "pip install" in line] == [install]
-    assert ci.index(install) < ci.index("python -m pytest")
-    # Every README line that installs torch installs it as the tested line does.
+    assert [line.strip() for line in ci if "pip install" in line] == installs
+    assert ci.index(installs[0]) < ci.index("python -m pytest")
+    assert "python -m pytest tests/test_torchtitan03.py" in [line.strip() for line in ci]
+    # Every README line that installs torch installs it as one of the tested lines does.
     for line in readme_lines(lambda line: line.startswith("pip install torch")):
-        assert line.startswith(install), line
+        assert any(line.startswith(install) for install in installs), line
     # The CPU build from PyTorch's CPU wheel index (pytorch.org's form), not the CUDA one.
-    assert "--index-url https://download.pytorch.org/whl/cpu" in install
+    assert all("--index-url https://download.pytorch.org/whl/cpu" in install for install in installs)
 
 
 def readme_job() -> str:
@@ -54,7 +58,8 @@ def readme_job() -> str:
 
 def readme_cpu_launch() -> tuple[dict[str, str], list[str]]:
     """(environment, torchrun arguments) of README.md's launch on CPU processes."""
-    (line,) = readme_lines(lambda line: "torchrun" in line and "--nproc_per_node=2" in line)
+    (line,) = readme_lines(lambda line: "torchrun" in line and "--nproc_per_node=2" in line
+                           and "--job.config_file" in line)
     words = shlex.split(line)
     env = dict(w.split("=", 1) for w in words[:words.index("torchrun")])
     return env, words[words.index("torchrun") + 1:]

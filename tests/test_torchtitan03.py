@@ -286,10 +286,17 @@ def test_two_process_checkpoint_continues_on_one_process(straight_run, tmp_path)
     (resumed / "checkpoint").mkdir(parents=True)
     os.symlink(dump / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
     one_log = train_run(resumed, "--checkpoint.enable", "--checkpoint.exclude_from_loading", "dataloader",
+                        "--checkpoint.interval", "2", "--checkpoint.no-last_save_model_only",
                         nproc=1, steps=6)
-    losses = step_losses(one_log)
+    losses, straight = step_losses(one_log), step_losses(log)
     assert "Training starts at step 5" in one_log and sorted(losses) == [5, 6]
-    assert abs(float(losses[5]) - float(step_losses(log)[5])) < 0.5, (losses, step_losses(log))
+    # The trained state was loaded: a fresh model starts near the straight run's step-1 loss
+    # (ln 2048 and more); the data differ (a new data-parallel degree restarts the loader).
+    assert float(losses[5]) < float(straight[1]) - 1.0, (losses, straight)
+    one = dict(flatten(checkpoint_tensors(resumed / "checkpoint" / "step-6")))
+    two = dict(flatten(checkpoint_tensors(dump / "checkpoint" / "step-8")))
+    shapes = {k: tuple(v.shape) for k, v in one.items() if isinstance(v, torch.Tensor)}
+    assert shapes == {k: tuple(v.shape) for k, v in two.items() if isinstance(v, torch.Tensor)}
 
 
 def test_4bit_states_with_stochastic_rounding_through_the_override(tmp_path, prepared_data):
@@ -303,7 +310,10 @@ def test_4bit_states_with_stochastic_rounding_through_the_override(tmp_path, pre
 
 def test_bitnet_trains_and_resumes_bit_for_bit(tmp_path, prepared_data):
     straight = train_run(tmp_path / "a", *CHECKPOINT, config="llama3_debug_bitnet")
-    assert "BitNet linears 42" in straight or "BitNet linears" in straight
+    import re
+
+    (count,) = set(re.findall(r"BitNet linears (\d+)", straight))
+    assert int(count) == 6 * 5  # debug model: 6 layers x (fused wqkv, wo, w1, w2, w3)
     resumed = tmp_path / "b"
     (resumed / "checkpoint").mkdir(parents=True)
     os.symlink(tmp_path / "a" / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")

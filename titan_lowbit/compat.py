@@ -7,8 +7,8 @@ of that library is outside ``TESTED`` (or when ``TITAN_LOWBIT_PRIVATE_APIS=0`` a
 the public paths, e.g. to rule the hooks out while debugging). Then the public path is
 taken, same results, and one log line per library names the version and the tested range.
 The remaining uses (``STRUCTURAL``) are how torch tensor subclasses and DTensor code are
-written; they have no public equivalent and are covered by the torch range that
-pyproject.toml declares.
+written, and the one hook torchtitan 0.3 gives an optimizer name; they have no public
+equivalent and are covered by the torch and torchtitan ranges that pyproject.toml declares.
 
 This module imports nothing from titan_lowbit, so every layer (kernels included) may use it.
 """
@@ -26,11 +26,12 @@ from importlib import metadata
 logger = logging.getLogger(__name__)
 
 # Versions run here: torch 2.13 + triton 3.9 (CI, CPU, kernels under Triton's interpreter
-# and compiled for sm_90 without a GPU), torch 2.11 + triton 3.6 (the H100 hosts),
-# torchtitan 0.2.2 (both) and 0.3.0 (CI's CPU processes only: it needs a newer torch than
-# the H100 hosts carry). Inclusive, compared on (major, minor) for torch and Triton.
+# and compiled for sm_90 without a GPU), torch 2.11 + triton 3.6 (the H100 hosts), both
+# with torchtitan 0.2.2; torch 2.14 + triton 3.8 with torchtitan 0.3.0 (CI's CPU processes
+# only: 0.3 needs torch 2.14, newer than the H100 hosts carry). Inclusive, compared on
+# (major, minor) for torch and Triton.
 TESTED = {
-    "torch": ((2, 11), (2, 13)),
+    "torch": ((2, 11), (2, 14)),
     "triton": ((3, 6), (3, 9)),
     "torchtitan": ((0, 2, 2), (0, 3, 0)),
 }
@@ -92,6 +93,11 @@ FENCED = (
 )
 
 STRUCTURAL = (
+    PrivateUse("torchtitan", "titan_lowbit/torchtitan/v03.py (LowBitOptimizersContainer)",
+               "OptimizersContainer._resolve_optimizer_factory (0.3 line), overridden in a subclass",
+               "titan_lowbit's optimizer names valid as param-group optimizer names: torchtitan "
+               "0.3 reads its name -> optimizer table there and nowhere else",
+               "none (covered by the torchtitan range pyproject.toml declares, <0.4)"),
     PrivateUse("torch", "titan_lowbit/bitnet/weight.py",
                "torch.Tensor._make_wrapper_subclass, func._schema, torch._C."
                "DisableTorchFunctionSubclass, torch.autograd._unsafe_preserve_version_counter, "
