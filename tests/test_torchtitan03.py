@@ -193,7 +193,7 @@ def test_lowbit_adamw_override_turns_torch_adamw_groups_into_lowbit():
     assert isinstance(new, v03.LowBitOptimizersContainer.Config) and new.seed == 7
     assert [(g.optimizer_name, g.optimizer_kwargs["weight_update"]) for g in new.param_groups] == [
         ("AdamW4bit", "stochastic")]
-    with pytest.raises(ValueError, match="replaces torch's Adam groups"):
+    with pytest.raises(ValueError, match="replaces the Adam groups"):
         v03.lowbit_adamw(config, name="Adam8bit")
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['weight_updat'\]"):
         v03.lowbit_adamw(config, weight_updat="stochastic")
@@ -212,6 +212,24 @@ def test_bitnet_converter_converts_the_layers_linears_only():
     model.verify_module_protocol()
     with pytest.raises(ValueError, match="match no Linear"):
         model_registry("debugmodel", converters=[v03.BitNetConverter.Config(fqns=["nothing.*"])])
+
+
+def test_overrides_apply_to_a_trainer_config_as_torchtitan_applies_them():
+    from torchtitan.config.override import OverrideConfig, apply_overrides
+
+    from titan_lowbit.torchtitan.config_registry import llama3_debug
+
+    config = llama3_debug()
+    lines = apply_overrides(OverrideConfig(imports=[
+        "titan_lowbit.torchtitan.v03.bitnet",
+        ("titan_lowbit.torchtitan.v03.lowbit_adamw", {"name": "AdamW4bit", "weight_update": "kahan"}),
+    ]), config)
+    bitnet = [line for line in lines if ".v03.bitnet:" in line]
+    assert len(bitnet) == 6 * 5 and not any("lm_head" in line for line in bitnet)
+    # every AdamW group, torch's and titan_lowbit's (the norms below min_quantized_numel
+    # keep fp32 states)
+    assert [(g.optimizer_name, g.optimizer_kwargs["weight_update"]) for g in config.optimizer.param_groups] == [
+        ("AdamW4bit", "kahan"), ("AdamW4bit", "kahan")]
 
 
 # ------------------------------------------------------------------------------------------

@@ -289,9 +289,9 @@ def bitnet(cfg: Linear.Config, int8_backward: bool = True) -> BitNetLinear.Confi
 def lowbit_adamw(cfg: OptimizersContainer.Config, name: str = "AdamW8bit", seed: int | None = None,
                  nonfinite_grad: str | None = None, **group_options) -> LowBitOptimizersContainer.Config:
     """``--override.imports 'titan_lowbit.torchtitan.v03.lowbit_adamw={"name": "AdamW8bit",
-    "weight_update": "master_remainder"}'``: every param group of torch's AdamW (or Adam,
-    for an ``Adam*`` name) becomes ``name`` with the given per-group options
-    (``weight_update``, ``block_size``, ``min_quantized_numel``); other groups stay."""
+    "weight_update": "master_remainder"}'``: every AdamW param group, torch's or titan_lowbit's
+    (every Adam group for an ``Adam*`` name), becomes ``name`` with the given per-group
+    options (``weight_update``, ``block_size``, ``min_quantized_numel``); other groups stay."""
     from titan_lowbit.optim import OPTIMIZERS
 
     if name not in OPTIMIZERS:
@@ -301,14 +301,16 @@ def lowbit_adamw(cfg: OptimizersContainer.Config, name: str = "AdamW8bit", seed:
         raise ValueError(f"lowbit_adamw: unknown option(s) {unknown}; valid: name, seed, nonfinite_grad, "
                          f"{', '.join(GROUP_OPTIONS)}")
     family = "AdamW" if OPTIMIZERS[name]["decoupled_weight_decay"] else "Adam"
+    members = {n for n, options in OPTIMIZERS.items() if n.startswith(family)
+               and options["decoupled_weight_decay"] == OPTIMIZERS[name]["decoupled_weight_decay"]}
     groups, matched = [], 0
     for pg in cfg.param_groups:
-        if pg.optimizer_name == family:
+        if pg.optimizer_name in members:
             pg = replace(pg, optimizer_name=name, optimizer_kwargs={**pg.optimizer_kwargs, **group_options})
             matched += 1
         groups.append(pg)
     if not matched:
-        raise ValueError(f"lowbit_adamw: name = {name!r} replaces torch's {family} groups, but the config's "
+        raise ValueError(f"lowbit_adamw: name = {name!r} replaces the {family} groups, but the config's "
                          f"param groups use {sorted({pg.optimizer_name for pg in cfg.param_groups})}")
     factory = {k: dict(v) for k, v in cfg.optimizer_factory_kwargs_by_name.items()}
     if nonfinite_grad is not None:
