@@ -664,7 +664,7 @@ def test_container_checks_every_model_part_before_stepping_any(policy):
         before = [p.detach().clone() for m in parts for p in m.parameters()]
         parts[1].weight.grad[3, 5] = 0.0
         with pytest.raises(FloatingPointError, match="model part 1: non-finite gradient .* in param 'weight' at "
-                                                     "optimizer step 1.*; no model part took this step"):
+                                                     "optimizer step 1.*; none of the model parts took this step"):
             opts.step()
     else:
         opts.step()

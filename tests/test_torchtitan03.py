@@ -214,6 +214,66 @@ def test_bitnet_converter_converts_the_layers_linears_only():
         model_registry("debugmodel", converters=[v03.BitNetConverter.Config(fqns=["nothing.*"])])
 
 
+def _replace_linears(model_config, make):
+    from torchtitan.models.common.linear import Linear
+
+    for _, cfg, parent, attr in list(model_config.traverse(Linear.Config)):
+        if isinstance(parent, list):
+            parent[attr] = make(cfg)
+        else:
+            setattr(parent, attr, make(cfg))
+    return model_config
+
+
+def test_a_converter_that_replaces_bitnet_linears_is_refused_in_either_order():
+    """float8, MX and NVFP4 converters replace every Linear config they match with a
+    Linear subclass of their own; stand-ins of both kinds here (torchao is not a
+    dependency)."""
+    from dataclasses import dataclass
+
+    from torchtitan.config.override import derive
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.llama3 import model_registry
+    from torchtitan.protocols.model import ModelConfigConverter
+
+    class OwnMathLinear(Linear):
+        @dataclass(kw_only=True, slots=True)
+        class Config(Linear.Config):
+            pass
+
+    class OwnMath(ModelConfigConverter):
+        @dataclass(kw_only=True, slots=True)
+        class Config(ModelConfigConverter.Config):
+            pass
+
+        def __init__(self, config):
+            self.config = config
+
+        def convert(self, model_config):
+            return _replace_linears(model_config, lambda cfg: derive(cfg, OwnMathLinear.Config))
+
+    kept = model_registry("debugmodel", converters=[v03.BitNetConverter.Config()])
+    v03.check_bitnet_kept(kept.model)
+    lost = model_registry("debugmodel", converters=[v03.BitNetConverter.Config(), OwnMath.Config()])
+    with pytest.raises(ValueError, match=r"replaced 30 of its linears \(layers\.0\.attention"):
+        v03.check_bitnet_kept(lost.model)
+    with pytest.raises(ValueError, match="math of its own"):
+        model_registry("debugmodel", converters=[OwnMath.Config(), v03.BitNetConverter.Config()])
+
+
+def test_llama3_1b_config_has_tinyllama_shapes():
+    from titan_lowbit.torchtitan.config_registry import llama3_1b, llama3_1b_bitnet
+
+    config = llama3_1b()
+    with torch.device("meta"):
+        model = config.model_spec.model.build()
+    assert sum(p.numel() for p in model.parameters()) == 1_100_048_384  # TinyLlama-1.1B
+    assert config.loss.loss_fn.global_vocab_size == 32000
+    bitnet = llama3_1b_bitnet().model_spec.model
+    assert isinstance(bitnet.layers[21].feed_forward.w2, v03.BitNetLinear.Config)
+    assert type(bitnet.lm_head) is not v03.BitNetLinear.Config
+
+
 def test_overrides_apply_to_a_trainer_config_as_torchtitan_applies_them():
     from torchtitan.config.override import OverrideConfig, apply_overrides
 

@@ -37,7 +37,7 @@ def state_bytes_per_param(optimizers: Iterable[torch.optim.Optimizer]) -> float:
 
 
 def settled_step(optimizers: list[torch.optim.Optimizer], step_all: Callable[[], None],
-                 where: Callable[[int], str]) -> None:
+                 where: Callable[[int], str], what: str) -> None:
     """Step every optimizer of a container through ``step_all``, after settling the
     non-finite checks of all titan_lowbit optimizers among them.
 
@@ -48,7 +48,7 @@ def settled_step(optimizers: list[torch.optim.Optimizer], step_all: Callable[[],
     checks are raised before anything steps; ``skip``: this step's gradients of every
     titan_lowbit optimizer are checked first, and a non-finite one skips the step of
     every optimizer of the container (torch's too), counted by each titan_lowbit one.
-    ``where(i)`` names optimizer ``i`` in messages."""
+    ``where(i)`` names optimizer ``i`` in messages, ``what`` (plural) all of them."""
     lowbit = [(i, opt) for i, opt in enumerate(optimizers) if is_lowbit(opt)]
     if len(optimizers) < 2 or not lowbit:
         step_all()
@@ -57,7 +57,7 @@ def settled_step(optimizers: list[torch.optim.Optimizer], step_all: Callable[[],
         try:
             opt.raise_pending_nonfinite()
         except FloatingPointError as e:
-            raise FloatingPointError(f"{where(i)}: {e}; no optimizer of the model took this step") from None
+            raise FloatingPointError(f"{where(i)}: {e}; none of the {what} took this step") from None
     found = [(i, opt.find_nonfinite_grad()) for i, opt in lowbit]
     bad = [(i, name) for i, name in found if name is not None]
     if bad:

@@ -159,7 +159,7 @@ class LowBitOptimizersContainer(OptimizersContainer):
 
     def step(self, *args, **kwargs) -> None:
         settled_step(self.optimizers, lambda: super(LowBitOptimizersContainer, self).step(*args, **kwargs),
-                     lambda i: f"model part {i}")
+                     lambda i: f"model part {i}", "model parts")
 
 
 def describe(optimizers: OptimizersContainer, optimizer_name: str, lowbit: LowBit, converters) -> str:

@@ -187,7 +187,7 @@ class LowBitOptimizersContainer(OptimizersContainer):
     def step(self, closure=None) -> None:
         assert closure is None, "OptimizersContainer does not support closures"
         settled_step(self.optimizers, lambda: OptimizersContainer.step(self),
-                     lambda i: f"optimizer {i} ({type(self.optimizers[i]).__name__})")
+                     lambda i: f"optimizer {i} ({type(self.optimizers[i]).__name__})", "optimizers")
 
 
 def describe(optimizers: OptimizersContainer) -> str:
@@ -261,7 +261,7 @@ class BitNetConverter(ModelConfigConverter):
         self.config = config
 
     def convert(self, model_config):
-        converted = 0
+        converted = []
         for fqn, cfg, parent, attr in list(model_config.traverse(Linear.Config)):
             if any(fnmatch(fqn, glob) for glob in self.config.fqns):
                 new = to_bitnet(cfg, self.config.int8_backward)
@@ -269,11 +269,35 @@ class BitNetConverter(ModelConfigConverter):
                     parent[attr] = new
                 else:
                     setattr(parent, attr, new)
-                converted += 1
+                converted.append(fqn)
         if not converted:
             raise ValueError(f"BitNetConverter: fqns = {self.config.fqns} match no Linear of "
                              f"{type(model_config).__qualname__}; fix the globs")
+        _CONVERTED.append((model_config, converted))
         return model_config
+
+
+# (model config, FQNs of its BitNet linears) for every BitNetConverter.convert: a converter
+# listed after it (float8, MX, NVFP4) replaces every Linear config it matches, BitNet's
+# included, and nothing else would tell (check_bitnet_kept).
+_CONVERTED: list[tuple[object, list[str]]] = []
+
+
+def check_bitnet_kept(model_config) -> None:
+    """Refuse a model whose BitNet linears another converter replaced after BitNetConverter."""
+    for converted_config, fqns in _CONVERTED:
+        if converted_config is not model_config:
+            continue
+        now = {fqn: cfg for fqn, cfg, _, _ in model_config.traverse(Linear.Config)}
+        lost = [f"{fqn} ({type(now.get(fqn)).__qualname__})" for fqn in fqns
+                if not isinstance(now.get(fqn), BitNetLinear.Config)]
+        if lost:
+            raise ValueError(
+                f"BitNet: a converter after BitNetConverter replaced {len(lost)} of its linears "
+                f"({', '.join(lost[:2])}{', ...' if len(lost) > 2 else ''}): both replace the math of "
+                "those layers, and BitNet would silently not apply. Use one of them, or narrow "
+                "their FQNs to disjoint layers."
+            )
 
 
 @override(target=Linear.Config, fqns=["model_spec.model.layers.*", "layers.*"],
@@ -399,15 +423,11 @@ class LowBitTrainer(Trainer):
         on_cpu = cpu_device.switch()
         spec = config.model_spec
         if on_cpu:
-            if config.parallelism.spmd_backend == "spmd_types":
-                raise ValueError(
-                    "titan_lowbit's CPU path runs torchtitan's DTensor backends: with "
-                    "--parallelism.spmd_backend spmd_types (torchtitan's default) FSDP2 stops on "
-                    "CPU meshes. Pass --parallelism.spmd_backend partial_dtensor (titan_lowbit's "
-                    "ready configs do).")
             if spec is not None and _use_cpu_attention(spec.model):
                 logger.info("titan_lowbit: the CPU path computes FlexAttention as masked SDPA "
                             "(FlexAttention has no backward on the CPU)")
+        if spec is not None:
+            check_bitnet_kept(spec.model)
         if spec is not None and not getattr(spec.parallelize_fn, "titan_lowbit_wrapped", False):
             config.model_spec = replace(spec, parallelize_fn=_wrap_parallelize(spec.parallelize_fn, on_cpu))
         if isinstance(config.optimizer, LowBitOptimizersContainer.Config) and config.optimizer.seed is None:
