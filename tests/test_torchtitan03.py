@@ -261,6 +261,47 @@ def test_a_converter_that_replaces_bitnet_linears_is_refused_in_either_order():
         model_registry("debugmodel", converters=[OwnMath.Config(), v03.BitNetConverter.Config()])
 
 
+def test_subln_converter_commutes_with_bitnet_and_refuses_what_it_cannot_do():
+    from torchtitan.models.llama3 import model_registry
+
+    from titan_lowbit.torchtitan.config_registry import llama3_debug_bitnet_subln
+
+    models = []
+    for order in ([v03.BitNetSubLNConverter.Config(), v03.BitNetConverter.Config()],
+                  [v03.BitNetConverter.Config(), v03.BitNetSubLNConverter.Config()]):
+        with torch.device("meta"):
+            models.append(model_registry("debugmodel", converters=order).model.build())
+    a, b = ({n: (type(m).__name__, tuple(p.shape) if (p := getattr(m, "weight", None)) is not None else None)
+             for n, m in model.named_modules()} for model in models)
+    assert a == b
+    assert a["layers.0.attention_norm"][0] == "NoBlockNorm" and a["layers.0.feed_forward.w2.input_norm"] == (
+        "RMSNorm", (768,))
+    assert a["layers.0.feed_forward.w2"][0] == "BitNetLinear" and a["lm_head"][0] == "Linear"
+    subln_only = model_registry("debugmodel", converters=[v03.BitNetSubLNConverter.Config()])
+    assert type(subln_only.model.layers[0].attention.wo) is v03.SubLNLinear.Config
+    with pytest.raises(ValueError, match="applied twice"):
+        v03.BitNetSubLNConverter(v03.BitNetSubLNConverter.Config()).convert(subln_only.model)
+    config = llama3_debug_bitnet_subln()
+    config.checkpoint.last_save_in_hf = True
+    with pytest.raises(ValueError, match="no Hugging Face llama name"):
+        config.build()
+
+
+def test_persistent_rows_only_for_a_compiled_bitnet_model():
+    from titan_lowbit.torchtitan.config_registry import llama3_debug, llama3_debug_bitnet
+
+    config = llama3_debug_bitnet()
+    assert not v03.wants_persistent_rows(config)  # not compiled
+    config.compile.enable = True
+    config.compile.components = ["model", "loss"]
+    assert v03.wants_persistent_rows(config)
+    config.bitnet_persistent_rows = False
+    assert not v03.wants_persistent_rows(config)
+    plain = llama3_debug()
+    plain.compile.enable = True
+    assert not v03.wants_persistent_rows(plain)  # no BitNet linear
+
+
 def test_llama3_1b_config_has_tinyllama_shapes():
     from titan_lowbit.torchtitan.config_registry import llama3_1b, llama3_1b_bitnet
 
@@ -384,6 +425,12 @@ def test_4bit_states_with_stochastic_rounding_through_the_override(tmp_path, pre
     assert "titan_lowbit 4bit states, weights bfloat16, bf16 update stochastic" in log
     losses = step_losses(log)
     assert float(losses[6]) < float(losses[1]) - 0.3, losses
+
+
+def test_bitnet_with_subln_trains(tmp_path, prepared_data):
+    log = train_run(tmp_path, config="llama3_debug_bitnet_subln", steps=4)
+    losses = step_losses(log)
+    assert sorted(losses) == [1, 2, 3, 4] and float(losses[4]) < float(losses[1]) - 0.3, losses
 
 
 def test_bitnet_trains_and_resumes_bit_for_bit(tmp_path, prepared_data):

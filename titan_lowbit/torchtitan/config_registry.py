@@ -13,6 +13,8 @@ optimizer with the ``lowbit_adamw`` override, e.g.
   (``weight_update = "master_remainder"``) for the matrices, torch's AdamW for norms
   and embeddings; 20 steps of 4 x 256 tokens: minutes on 2 CPU processes.
 - ``llama3_debug_bitnet``: the same with BitNet b1.58 linears in the transformer layers.
+- ``llama3_debug_bitnet_subln``: the same with SubLN (an RMSNorm on the input of every
+  linear of a block, the block norms removed), as BitNet's own architecture has.
 - ``llama3_1b``: llama3 with TinyLlama-1.1B's shapes (the 0.2 line's ``1B`` flavor,
   ``flavors.LLAMA3_1B``), bf16 weights with 8-bit states and ``master_remainder``,
   compiled, 2,000 steps of 4 x 2048 tokens per GPU, validation every 250 steps: a GPU config.
@@ -40,7 +42,12 @@ from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.trainer import Trainer
 
 from titan_lowbit.torchtitan import datasets, flavors
-from titan_lowbit.torchtitan.v03 import BitNetConverter, LowBitOptimizersContainer, LowBitTrainer
+from titan_lowbit.torchtitan.v03 import (
+    BitNetConverter,
+    BitNetSubLNConverter,
+    LowBitOptimizersContainer,
+    LowBitTrainer,
+)
 
 # Norms, biases and embeddings: torch's AdamW (few elements, or rows read sparsely);
 # everything else: titan_lowbit's. First match wins.
@@ -91,6 +98,13 @@ def llama3_debug() -> LowBitTrainer.Config:
 def llama3_debug_bitnet() -> LowBitTrainer.Config:
     config = llama3_debug()
     config.model_spec = model_registry("debugmodel", converters=[BitNetConverter.Config()])
+    return config
+
+
+def llama3_debug_bitnet_subln() -> LowBitTrainer.Config:
+    config = llama3_debug()
+    config.model_spec = model_registry("debugmodel", converters=[
+        BitNetSubLNConverter.Config(), BitNetConverter.Config()])
     return config
 
 

@@ -43,14 +43,19 @@ from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import create_mask
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.override import derive, override
+from torchtitan.models.common import RMSNorm
 from torchtitan.models.common.attention import FlexAttention
+from torchtitan.models.common.decoder_sharding import norm_config
 from torchtitan.models.common.linear import Linear
+from torchtitan.models.llama3.model import Llama3TransformerBlock
 from torchtitan.protocols.model import ModelConfigConverter
+from torchtitan.protocols.module import Module
 from torchtitan.trainer import Trainer
 
 from titan_lowbit.bitnet.converter import convert_to_bitnet
 from titan_lowbit.bitnet.linear import BitNetLinear as _BitNetForward
 from titan_lowbit.bitnet.weight import local_training_weight, precompute_scales
+from titan_lowbit.compat import private_api_ok
 from titan_lowbit.torchtitan import cpu_device, datasets
 from titan_lowbit.torchtitan.lowbit_optimizers import (
     FP32_ADAMW_STATE_BYTES,
@@ -213,20 +218,84 @@ def describe(optimizers: OptimizersContainer) -> str:
 # ----------------------------------------------------------------------------------------
 # BitNet
 # ----------------------------------------------------------------------------------------
+def _input_norm(config) -> "RMSNorm | None":
+    return None if config.input_norm is None else config.input_norm.build()
+
+
+def _parallelize_input_norm(module: nn.Module, parallel_dims) -> None:
+    """Give a linear's SubLN input norm the sharding of torchtitan's block norms (replicated
+    weight), so that FSDP2 shards it like them; the norm of a tensor-parallel linear's
+    input would need the features of every TP rank."""
+    if module.input_norm is None:
+        return
+    if parallel_dims.tp > 1:
+        raise ValueError(
+            "BitNet SubLN (BitNetSubLNConverter) with tensor parallelism: the input norm of a "
+            "row-parallel linear needs the features of every TP rank; set "
+            "--parallelism.tensor_parallel_degree 1 (as the 0.2 line's bitnet_subln does)."
+        )
+    module.input_norm._sharding_config = norm_config(enable_sp=False)
+
+
+class SubLNLinear(Linear):
+    """torchtitan's ``Linear`` whose input first passes its own RMSNorm (BitNet's SubLN:
+    BitLinear normalizes its own input); see :class:`BitNetSubLNConverter`."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Linear.Config):
+        input_norm: RMSNorm.Config | None = None
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.input_norm = _input_norm(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x if self.input_norm is None else self.input_norm(x))
+
+    def parallelize(self, parallel_dims) -> None:
+        _parallelize_input_norm(self, parallel_dims)
+        super().parallelize(parallel_dims)
+
+
 class BitNetLinear(_BitNetForward, Linear):
     """torchtitan's ``Linear`` whose weight is a BitNet b1.58 training weight: ternary
     weight (abs-mean scale) x int8 activation (row abs-max) on int8 tensor cores, a
-    straight-through gradient; its state dict holds the plain latent weight."""
+    straight-through gradient; its state dict holds the plain latent weight. With an
+    ``input_norm`` (SubLN), its input first passes that RMSNorm."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Linear.Config):
         int8_backward: bool = True
         """Compute grad_input on int8 tensor cores (grad_output quantized row-wise);
         False computes it in the activation dtype."""
+        input_norm: RMSNorm.Config | None = None
 
     def __init__(self, config: Config):
         Linear.__init__(self, config)
+        self.input_norm = _input_norm(config)
         convert_to_bitnet(self, filter_fqns=[], int8_backward=config.int8_backward)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _BitNetForward.forward(self, x if self.input_norm is None else self.input_norm(x))
+
+    def parallelize(self, parallel_dims) -> None:
+        _parallelize_input_norm(self, parallel_dims)
+        Linear.parallelize(self, parallel_dims)
+
+
+class NoBlockNorm(Module):
+    """Stands where a block's ``attention_norm`` / ``ffn_norm`` was under SubLN: the
+    linears of the block normalize their own inputs."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        pass
+
+    def __init__(self, config: Config):
+        super().__init__()
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (torchtitan's norm argument name)
+        return input
 
 
 BITNET_FQNS = ["layers.*"]
@@ -236,7 +305,7 @@ def to_bitnet(cfg: Linear.Config, int8_backward: bool = True) -> BitNetLinear.Co
     """The BitNet linear config in place of a plain ``Linear`` config."""
     if isinstance(cfg, BitNetLinear.Config):
         return cfg
-    if type(cfg) is not Linear.Config:
+    if type(cfg) not in (Linear.Config, SubLNLinear.Config):
         raise ValueError(
             f"BitNet: {type(cfg).__qualname__} is a linear with math of its own (a float8/MX/NVFP4 "
             "or tensor-parallel variant); BitNet would replace it. Leave it out of the BitNet FQNs, "
@@ -298,6 +367,49 @@ def check_bitnet_kept(model_config) -> None:
                 "those layers, and BitNet would silently not apply. Use one of them, or narrow "
                 "their FQNs to disjoint layers."
             )
+
+
+class BitNetSubLNConverter(ModelConfigConverter):
+    """Model converter for llama3: SubLN, an RMSNorm on the input of every linear of each
+    transformer block (as BitNet's BitLinear normalizes its own input), and the block's
+    ``attention_norm``/``ffn_norm`` removed. Independent of :class:`BitNetConverter` and
+    commuting with it: a block's linears are normalized whether or not BitNet converts
+    them (one left in high precision would otherwise see un-normalized input)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ModelConfigConverter.Config):
+        pass
+
+    def __init__(self, config: Config):
+        self.config = config
+
+    def convert(self, model_config):
+        blocks = list(model_config.traverse(Llama3TransformerBlock.Config))
+        if not blocks:
+            raise ValueError(f"BitNetSubLNConverter rewrites llama3 transformer blocks, and "
+                             f"{type(model_config).__qualname__} has none; remove the converter")
+        for bfqn, block, _, _ in blocks:
+            if isinstance(block.attention_norm, NoBlockNorm.Config):
+                raise ValueError(f"BitNetSubLNConverter was applied twice to block {bfqn!r}")
+            eps = block.attention_norm.eps
+            for fqn, lin, parent, attr in list(block.traverse(Linear.Config)):
+                norm = RMSNorm.Config(normalized_shape=lin.in_features, eps=eps,
+                                      param_init={"weight": nn.init.ones_})
+                if type(lin) is Linear.Config:
+                    new = derive(lin, SubLNLinear.Config, input_norm=norm)
+                elif type(lin) is BitNetLinear.Config:
+                    new = replace(lin, input_norm=norm)
+                else:
+                    raise ValueError(
+                        f"BitNetSubLNConverter: {bfqn}.{fqn} is a {type(lin).__qualname__}, a linear "
+                        "with math of its own; SubLN normalizes the inputs of plain and BitNet linears")
+                if isinstance(parent, list):
+                    parent[attr] = new
+                else:
+                    setattr(parent, attr, new)
+            block.attention_norm = NoBlockNorm.Config()
+            block.ffn_norm = NoBlockNorm.Config()
+        return model_config
 
 
 @override(target=Linear.Config, fqns=["model_spec.model.layers.*", "layers.*"],
@@ -405,6 +517,24 @@ def _use_cpu_attention(model_config) -> int:
     return len(nodes)
 
 
+def wants_persistent_rows(config: "LowBitTrainer.Config") -> bool:
+    """Whether the run compiles a model with BitNet linears and keeps
+    ``bitnet_persistent_rows`` on."""
+    spec = config.model_spec
+    return bool(spec is not None and config.compile.enable and "model" in config.compile.components
+                and config.bitnet_persistent_rows and any(True for _ in spec.model.traverse(BitNetLinear.Config)))
+
+
+def _install_persistent_rows() -> bool:
+    """Inductor's one-read row reductions for BitNet's fused row quantizations, where the
+    installed torch is a tested one (titan_lowbit/compat.py); whether they are on."""
+    if not private_api_ok("torch"):
+        return False
+    from titan_lowbit.bitnet import row_reductions
+
+    return row_reductions.install()
+
+
 class LowBitTrainer(Trainer):
     """torchtitan 0.3's Trainer with titan_lowbit's CPU path, start-up checks and BitNet
     scale precompute (see the module docstring). Its config is torchtitan's, with one
@@ -412,7 +542,11 @@ class LowBitTrainer(Trainer):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
-        pass
+        bitnet_persistent_rows: bool = True
+        """Under ``--compile.enable`` with BitNet linears, let Inductor keep a row in
+        registers (one read of the row) for the row quantizations it fuses, on rows up to
+        8192 elements (titan_lowbit/bitnet/row_reductions.py, a private API of torch's:
+        only with a tested torch); False keeps Inductor's default. Same math."""
 
     def __init__(self, config: Config):
         if not hasattr(torch.distributed, "set_timeout"):
@@ -428,11 +562,18 @@ class LowBitTrainer(Trainer):
                             "(FlexAttention has no backward on the CPU)")
         if spec is not None:
             check_bitnet_kept(spec.model)
+            if config.checkpoint.last_save_in_hf and any(True for _ in spec.model.traverse(NoBlockNorm.Config)):
+                raise ValueError(
+                    "BitNetSubLNConverter adds per-linear input norms that have no Hugging Face llama "
+                    "name (and removes the block norms that have one): --checkpoint.last_save_in_hf "
+                    "would fail at the last save. Leave it off (the DCP checkpoint keeps everything).")
         if spec is not None and not getattr(spec.parallelize_fn, "titan_lowbit_wrapped", False):
             config.model_spec = replace(spec, parallelize_fn=_wrap_parallelize(spec.parallelize_fn, on_cpu))
         if isinstance(config.optimizer, LowBitOptimizersContainer.Config) and config.optimizer.seed is None:
             config.optimizer.seed = config.debug.seed or 0
         datasets.check_corpus(config.hf_assets_path, config.dataloader, config.validator)
+        if wants_persistent_rows(config):
+            _install_persistent_rows()
         super().__init__(config)
         bitnet = _bitnet_params(self.model_parts)
         if bitnet and any(isinstance(p, DTensor) for p in bitnet):
