@@ -187,6 +187,26 @@ def test_nonfinite_skip_skips_every_optimizer_of_the_container():
     assert next(o for o in opt if isinstance(o, LowBitAdamW) and o.nonfinite_grad == "skip").skipped_steps == 1
 
 
+def test_checkpoint_of_another_optimizer_layout_is_named_before_dcp_loads_it(tmp_path):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    eight = container(Tiny())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP without a process group says it loads in one process
+        dcp.save({"optimizer": eight.state_dict()}, checkpoint_id=str(tmp_path), no_dist=True)
+    metadata = FileSystemReader(str(tmp_path)).read_metadata()
+    assert v03.optimizer_layout_problem({"optimizer": container(Tiny())}, metadata) is None
+    four = v03.optimizer_layout_problem({"optimizer": container(Tiny(), name="AdamW4bit")}, metadata)
+    assert "optimizer.state.w1.exp_avg_codes': (96, 160) in the checkpoint, (96, 80) in this run" in four
+    fp32 = v03.optimizer_layout_problem({"optimizer": container(Tiny(), weight_update="master")}, metadata)
+    assert "param 'w1': the checkpoint holds ['exp_avg_absmax', 'exp_avg_codes', 'exp_avg_sq_absmax', " \
+           "'exp_avg_sq_codes', 'master_remainder', 'step'], this run ['exp_avg_absmax', 'exp_avg_codes', " \
+           "'exp_avg_sq_absmax', 'exp_avg_sq_codes', 'master', 'step']" in fp32
+
+
 def test_lowbit_adamw_override_turns_torch_adamw_groups_into_lowbit():
     config = default_adamw(lr=3e-4)
     new = v03.lowbit_adamw(config, name="AdamW4bit", weight_update="stochastic", seed=7)

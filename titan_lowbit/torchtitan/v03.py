@@ -20,7 +20,8 @@ plugs in at those points, without touching torchtitan's module state:
 - :class:`LowBitTrainer` is torchtitan's ``Trainer`` that also takes the CPU path where
   there is no GPU (gloo, the kernels' PyTorch references), refuses what would not work,
   precomputes the sharded BitNet weights' scales after each optimizer step with one
-  all-reduce, and logs one line saying what titan_lowbit changed.
+  all-reduce, checks a checkpoint's optimizer layout before loading it
+  (:class:`CheckedCheckpointManager`), and logs one line saying what titan_lowbit changed.
 - ``@override`` factories for configs titan_lowbit did not write:
   :func:`lowbit_adamw` (every ``Adam``/``AdamW`` group becomes a titan_lowbit optimizer)
   and :func:`bitnet` (the transformer layers' linears become BitNet linears).
@@ -41,6 +42,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import create_mask
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.override import derive, override
 from torchtitan.models.common import RMSNorm
@@ -459,6 +463,77 @@ def lowbit_adamw(cfg: OptimizersContainer.Config, name: str = "AdamW8bit", seed:
 
 
 # ----------------------------------------------------------------------------------------
+# checkpoints
+# ----------------------------------------------------------------------------------------
+def _flat_keys(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """DCP's keys of a nested state dict (dict levels joined by dots, Stateful values by
+    their state dicts), with their values."""
+    out = {}
+    for key, value in tree.items():
+        if not isinstance(value, (dict, torch.Tensor)) and callable(getattr(value, "state_dict", None)):
+            value = value.state_dict()  # a Stateful (the optimizer container), as DCP reads it
+        if isinstance(value, dict):
+            out.update(_flat_keys(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def optimizer_layout_problem(state_dict: dict[str, Any], metadata) -> str | None:
+    """How the optimizer states a run would load differ from a checkpoint's (entries that
+    one side has and the other lacks, or other global shapes), per parameter; None when
+    they agree. An 8-bit checkpoint read by a 4-bit or fp32-state run (or back) differs
+    there; DCP itself would stop at the first such entry without saying why."""
+    saved = metadata.state_dict_metadata
+    want = {k: v for k, v in _flat_keys(state_dict).items() if k.startswith("optimizer.state.")}
+    have = {k for k in saved if k.startswith("optimizer.state.")}
+    if not have:
+        return None
+    params: dict[str, tuple[set, set]] = {}
+    for key in set(want) | have:
+        fqn, _, entry = key.removeprefix("optimizer.state.").rpartition(".")
+        mine, theirs = params.setdefault(fqn, (set(), set()))
+        if key in want:
+            mine.add(entry)
+        if key in have:
+            theirs.add(entry)
+    shapes = [k for k in set(want) & have if isinstance(want[k], torch.Tensor)
+              and isinstance(saved[k], TensorStorageMetadata) and tuple(want[k].shape) != tuple(saved[k].size)]
+    differ = sorted(fqn for fqn, (mine, theirs) in params.items() if mine != theirs)
+    lines = [f"param '{fqn}': the checkpoint holds {sorted(params[fqn][1]) or 'no optimizer state'}, this run "
+             f"{sorted(params[fqn][0]) or 'no optimizer state'}" for fqn in differ[:3]]
+    lines += [f"'{k}': {tuple(saved[k].size)} in the checkpoint, {tuple(want[k].shape)} in this run"
+              for k in sorted(shapes)[:3]]
+    if not lines:
+        return None
+    more = len(differ) + len(shapes) - len(lines)
+    return "; ".join(lines) + (f" (and {more} more)" if more > 0 else "")
+
+
+class CheckedCheckpointManager(CheckpointManager):
+    """torchtitan's checkpoint manager that, before DCP loads a checkpoint, compares its
+    optimizer states with the run's and stops naming the parameters and the setting when
+    they were written by another optimizer layout (name, state format, block size,
+    weight_update): DCP would fail on the first missing key, or, where the shapes agree (8
+    bit against fp8 codes), load bytes of another format."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        pass
+
+    def dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized) -> None:
+        if not from_hf and "optimizer" in state_dict:
+            problem = optimizer_layout_problem(state_dict, FileSystemReader(checkpoint_id).read_metadata())
+            if problem:
+                raise ValueError(
+                    f"checkpoint {checkpoint_id} was written with another optimizer state layout: "
+                    f"{problem}. Resume with the optimizer settings that wrote it (optimizer names, "
+                    "block_size, min_quantized_numel, weight_update of the param groups), or load the "
+                    "model alone (--checkpoint.initial_load_path with --checkpoint.initial_load_model_only).")
+        super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+
+
+# ----------------------------------------------------------------------------------------
 # the trainer
 # ----------------------------------------------------------------------------------------
 def _bitnet_params(model_parts) -> list[nn.Parameter]:
@@ -569,6 +644,8 @@ class LowBitTrainer(Trainer):
                     "would fail at the last save. Leave it off (the DCP checkpoint keeps everything).")
         if spec is not None and not getattr(spec.parallelize_fn, "titan_lowbit_wrapped", False):
             config.model_spec = replace(spec, parallelize_fn=_wrap_parallelize(spec.parallelize_fn, on_cpu))
+        if type(config.checkpoint) is CheckpointManager.Config:
+            config.checkpoint = derive(config.checkpoint, CheckedCheckpointManager.Config)
         if isinstance(config.optimizer, LowBitOptimizersContainer.Config) and config.optimizer.seed is None:
             config.optimizer.seed = config.debug.seed or 0
         datasets.check_corpus(config.hf_assets_path, config.dataloader, config.validator)
