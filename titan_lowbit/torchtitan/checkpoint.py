@@ -50,6 +50,7 @@ import re
 import shutil
 import time
 import traceback
+import warnings
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -235,6 +236,20 @@ def _dataloader_problem(saved: int, now: int) -> str:
             f"ranks, this run has {now}; " + _dataloader_advice(saved))
 
 
+# What dcp.load(no_dist=True) warns every time it is called (torch 2.13).
+SINGLE_PROCESS_WARNING = r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming"
+
+
+def load_on_this_rank(state_dict: dict[str, Any], checkpoint_id: str) -> None:
+    """``dcp.load(state_dict, no_dist=True)``: each rank reads a few small entries by
+    itself, with no collective. DCP warns at every such call that it assumes a single
+    process, which is what is meant here; users read that warning at each resume as a
+    fault, so exactly that warning is silenced around this call (any other stays)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING, category=UserWarning)
+        dcp.load(state_dict, checkpoint_id=checkpoint_id, no_dist=True)
+
+
 def conversion_record(model_parts) -> dict[str, torch.Tensor]:
     """What a checkpoint records of the model's conversion: the number of BitNet weights
     (``[model] converters`` with ``bitnet``). Their state-dict entries are the plain latent
@@ -250,7 +265,7 @@ def _conversion_problem(checkpoint_id: str, keys, model_parts) -> str | None:
     if BITNET_WEIGHTS not in keys:
         return None  # written before titan_lowbit recorded it
     saved = {RECORD: {"bitnet_weights": torch.zeros((), dtype=torch.int64)}}
-    dcp.load(saved, checkpoint_id=checkpoint_id, no_dist=True)
+    load_on_this_rank(saved, checkpoint_id)
     was = int(saved[RECORD]["bitnet_weights"])
     now = int(conversion_record(model_parts)["bitnet_weights"])
     if was == now:
