@@ -438,6 +438,26 @@ def test_two_process_checkpoint_continues_on_one_process(straight_run, tmp_path)
     assert shapes == {k: tuple(v.shape) for k, v in two.items() if isinstance(v, torch.Tensor)}
 
 
+def test_readme_03_command_trains_from_an_empty_directory(tmp_path, prepared_data):
+    """README's torchtitan 0.3 launch, as written, from an empty directory (2 steps)."""
+    import re
+    import shlex
+
+    block = re.search(r"## torchtitan 0.3\n.*?```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    (line,) = [line for line in block.splitlines() if "torchrun" in line]
+    words = shlex.split(line)
+    env = {**cpu_run_env(), **dict(w.split("=", 1) for w in words[:words.index("torchrun")])}
+    args = words[words.index("torchrun") + 1:]
+    assert args[args.index("--module") + 1] == "titan_lowbit.torchtitan"
+    cmd = [sys.executable, "-m", "torch.distributed.run", *args, "--training.steps", "2",
+           "--metrics.disable_color_printing"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert sorted(step_losses(out)) == [1, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]
+
+
 def test_4bit_states_with_stochastic_rounding_through_the_override(tmp_path, prepared_data):
     override = json.dumps({"name": "AdamW4bit", "weight_update": "stochastic"})
     log = train_run(tmp_path, "--override.imports", f"titan_lowbit.torchtitan.v03.lowbit_adamw={override}",
