@@ -467,6 +467,18 @@ def test_4bit_states_with_stochastic_rounding_through_the_override(tmp_path, pre
     assert float(losses[6]) < float(losses[1]) - 0.3, losses
 
 
+def test_bitnet_with_tensor_parallelism_is_refused_at_start_up(tmp_path, prepared_data):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "--local-ranks-filter", "0", "-m", "torchtitan.train", "--module", "titan_lowbit.torchtitan",
+           "--config", "llama3_debug_bitnet", "--dump_folder", str(tmp_path),
+           "--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+    proc = subprocess.run(cmd, env=cpu_run_env(), capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "BitNet linears with tensor parallelism are not supported on torchtitan 0.3" \
+        in out, out[-3000:]
+    assert "step:" not in out
+
+
 def test_bitnet_with_subln_trains(tmp_path, prepared_data):
     log = train_run(tmp_path, config="llama3_debug_bitnet_subln", steps=4)
     losses = step_losses(log)
