@@ -77,10 +77,41 @@ def row_absmax(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x, float("inf"), dim=1, dtype=torch.float32)
 
 
+def weight_abs_sums(ws) -> list[torch.Tensor]:
+    """sum |W| over all elements of each tensor of ``ws``, each an fp32 0-d tensor: the
+    abs-mean scale's numerator (a shard's local sum before the sum over its shards).
+
+    The one definition of this sum in eager code, for one weight or for many at once:
+    every path that computes a weight's scale (the post-optimizer precompute of all
+    weights, a layer's own sum inside its all-gather or tensor-parallel forward, kept
+    codes, the unsharded forward) sums a weight in the same order, so its scale has the
+    same bits whichever path computed it (a resumed run, whose first step has no
+    precomputed sums, continues the uninterrupted one bit for bit).
+
+    The order is that of torch's multi-tensor L1 norm, whose result for a tensor depends
+    on that tensor alone: on CUDA it sums fixed-size chunks of each tensor (counted from
+    the tensor's start), then the chunks' sums of that tensor, whatever else the list
+    holds; elsewhere it is ``torch.linalg.vector_norm`` per tensor. Its CUDA kernel serves
+    a list of tensors of one device and dtype that are all dense, so the tensors go to it
+    grouped by device and dtype, and one with gaps between its elements as a contiguous
+    copy (the same values in the same order). ``torch.linalg.vector_norm`` is another
+    CUDA kernel with another order: rounded differently, its sums differ in the last bits.
+    """
+    ws = [w.detach() for w in ws]
+    groups: dict[tuple, list[int]] = {}
+    for i, w in enumerate(ws):
+        groups.setdefault((w.device, w.dtype), []).append(i)
+    sums: list[torch.Tensor | None] = [None] * len(ws)
+    for idx in groups.values():
+        dense = [ws[i] if ws[i].is_contiguous() else ws[i].contiguous() for i in idx]
+        for i, s in zip(idx, torch._foreach_norm(dense, 1, dtype=torch.float32)):
+            sums[i] = s
+    return sums
+
+
 def weight_abs_sum(w: torch.Tensor) -> torch.Tensor:
-    """sum |W| over all elements of ``w``, fp32 0-d (the abs-mean scale's numerator; a
-    shard's local sum before the all-reduce over its shards)."""
-    return torch.linalg.vector_norm(w.detach(), 1, dtype=torch.float32)
+    """sum |W| over all elements of ``w``, fp32 0-d: ``weight_abs_sums`` of one tensor."""
+    return weight_abs_sums([w])[0]
 
 
 def div_rn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

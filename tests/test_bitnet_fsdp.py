@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 
 from conftest import run_on_gloo
@@ -72,7 +73,8 @@ def _scenarios(rank):
     from titan_lowbit.config import LowBit
 
     mesh = init_device_mesh("cpu", (WORLD,))
-    all_reduce = _Counter(dist, "all_reduce")
+    # the collective of a scale's sum over the shards (weight.sum_over_ranks)
+    scale_sums = _Counter(funcol, "all_gather_tensor")
     gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
     all_gather = _Counter(dist, gather_name, bytes_arg=1)
     pre_gather = _Counter(BitNetTrainingWeight, "fsdp_pre_all_gather")
@@ -110,9 +112,9 @@ def _scenarios(rank):
         fwd_bwd_packs, hook_packs = [], []
         prepares.reset()
         for i, x in enumerate(xs):
-            all_reduce.reset(), all_gather.reset(), pre_gather.reset(), packs.reset()
+            scale_sums.reset(), all_gather.reset(), pre_gather.reset(), packs.reset()
             ls = step(sharded, opt_s, x)
-            fwd_bwd = (all_reduce.calls, pre_gather.calls, all_gather.sizes)
+            fwd_bwd = (scale_sums.calls, pre_gather.calls, all_gather.sizes)
             fwd_bwd_packs.append(packs.calls)
             lr_ = step(ref, opt_r, x)
             losses.append((ls.item(), lr_.item()))
@@ -120,9 +122,9 @@ def _scenarios(rank):
                                 for ps, pr in zip(sharded.parameters(), ref.parameters())))
             opt_s.step(), opt_r.step()
             opt_s.zero_grad(), opt_r.zero_grad()
-            all_reduce.reset(), packs.reset(), repacks.reset()
+            scale_sums.reset(), packs.reset(), repacks.reset()
             conv.post_optimizer_hook([sharded])
-            counts.append(fwd_bwd + (all_reduce.calls,))
+            counts.append(fwd_bwd + (scale_sums.calls,))
             hook_packs.append((packs.calls, repacks.calls))
             scales.append(max(
                 (p._local_tensor._precomputed_abs_sum / p.numel()
@@ -137,7 +139,7 @@ def _scenarios(rank):
             for ps, pr in zip(sharded.parameters(), ref.parameters()):
                 ps._local_tensor._data.neg_()
                 pr.neg_()
-        all_reduce.reset(), all_gather.reset(), pre_gather.reset(), packs.reset()
+        scale_sums.reset(), all_gather.reset(), pre_gather.reset(), packs.reset()
         flipped = sharded(xs[0]).detach()
         flipped_packs = packs.calls
         for p in sharded.parameters():  # the same forward with nothing packed in advance
@@ -156,17 +158,17 @@ def _scenarios(rank):
         param_write_err = (sharded(xs[0]).detach() - ref(xs[0]).detach()).abs().max().item()
         param_write_packs = packs.calls
         # Precomputed sums |W| after writes that change them (a doubling doubles every
-        # scale; a stale sum would halve each layer's output): every rank all-reduces each
+        # scale; a stale sum would halve each layer's output): every rank sums each
         # layer's sum again inside its all-gather. A state dict taken alone (which one rank
-        # may do) changes no sum and must not add an all-reduce.
+        # may do) changes no sum and must not add a collective.
         sum_checks = {}
 
         def forward_after(write):
             conv.post_optimizer_hook([sharded])
             write()
-            all_reduce.reset()
+            scale_sums.reset()
             out, out_ref = sharded(xs[0]).detach(), ref(xs[0]).detach()
-            return all_reduce.calls, (out - out_ref).abs().max().item() / out_ref.abs().max().item()
+            return scale_sums.calls, (out - out_ref).abs().max().item() / out_ref.abs().max().item()
 
         def double_params():
             with torch.no_grad():
@@ -187,9 +189,9 @@ def _scenarios(rank):
             step(sharded, None, xs[1])
             _LatentSGD(sharded.parameters()).step()
             opt_s.zero_grad()
-            all_reduce.reset()
+            scale_sums.reset()
             out = sharded(xs[0]).detach()
-            calls = all_reduce.calls
+            calls = scale_sums.calls
             conv.post_optimizer_hook([sharded])
             fresh = sharded(xs[0]).detach()
             return calls, (out - fresh).abs().max().item() / fresh.abs().max().item()
@@ -271,9 +273,9 @@ def test_all_gather_sends_packed_two_bit_codes(results):
         assert packed * 8 <= bf16 * (1 + 3 / k)
 
 
-def test_one_all_reduce_per_step_with_precomputed_scales(results):
+def test_one_scale_collective_per_step_with_precomputed_scales(results):
     counts = results["pre"]["counts"]
-    # Step 1 has no precomputed scale yet: one all-reduce per gathered layer.
+    # Step 1 has no precomputed scale yet: one sum over the shards per gathered layer.
     fwd_bwd_reduces, gathers, _, hook_reduces = counts[0]
     assert fwd_bwd_reduces == gathers and hook_reduces == 1
     for fwd_bwd_reduces, gathers, _, hook_reduces in counts[1:]:
@@ -281,7 +283,7 @@ def test_one_all_reduce_per_step_with_precomputed_scales(results):
         assert fwd_bwd_reduces == 0 and hook_reduces == 1
 
 
-def test_without_precompute_each_gather_all_reduces(results):
+def test_without_precompute_each_gather_sums_its_scale(results):
     for fwd_bwd_reduces, gathers, _, hook_reduces in results["nopre"]["counts"]:
         assert fwd_bwd_reduces == gathers >= len(LAYERS) and hook_reduces == 0
 
@@ -319,14 +321,14 @@ def test_weights_written_after_the_hook_are_packed_anew(results):
         assert r["param_write_err"] <= 2e-3 * r["flipped_scale"]
 
 
-def test_precomputed_sums_of_written_weights_are_all_reduced_again(results):
+def test_precomputed_sums_of_written_weights_are_summed_again(results):
     pre, nopre = results["pre"]["sum_checks"], results["nopre"]["sum_checks"]
     # A state dict taken, or a copy from the weights, writes nothing: the precomputed sums
     # stay in use (the fallback is a collective; one rank alone may take or read them).
     assert pre["state_dict"][0] == 0 and pre["read"][0] == 0
     # An in-place write through the parameters, a load_state_dict, a write into a
     # state-dict alias, or an optimizer step with no hook after it: each forward
-    # all-gather all-reduces its layer's sum, as without precompute.
+    # all-gather sums its layer's |W| over the shards, as without precompute.
     for kind in ("param", "load", "alias", "step"):
         assert pre[kind][0] == len(LAYERS) == nopre[kind][0], kind
     for kind in ("state_dict", "read", "param", "load", "alias", "step"):

@@ -41,7 +41,6 @@ def _rel(a, b):
 
 
 def _scenarios(rank):
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Replicate
@@ -123,17 +122,18 @@ def _scenarios(rank):
                         local=sorted({type(p._local_tensor).__name__ for n, p in sharded.named_parameters()
                                       if n.endswith("weight")}))
 
-    all_reduce_calls = []
-    orig_all_reduce = dist.all_reduce
+    # the collective of a scale's sum over the ranks (weight.sum_over_ranks)
+    import torch.distributed._functional_collectives as funcol
 
-    def counting_all_reduce(*args, **kwargs):
-        all_reduce_calls.append(1)
-        return orig_all_reduce(*args, **kwargs)
+    sum_calls = []
+    orig_all_gather = funcol.all_gather_tensor
 
-    dist.all_reduce = counting_all_reduce
+    def counting_all_gather(*args, **kwargs):
+        sum_calls.append(1)
+        return orig_all_gather(*args, **kwargs)
 
     class _CountingConverter:
-        """The bitnet converter, reporting how many all-reduces its hook issued."""
+        """The bitnet converter, reporting how many scale collectives its hook issued."""
 
         def __init__(self, precompute):
             job = SimpleNamespace(lowbit=LowBit(bitnet_filter=[], bitnet_precompute_scale=precompute))
@@ -143,9 +143,13 @@ def _scenarios(rank):
             self.conv.convert(model)
 
         def post_optimizer_hook(self, parts):
-            all_reduce_calls.clear()
-            self.conv.post_optimizer_hook(parts)
-            return len(all_reduce_calls)
+            sum_calls.clear()
+            funcol.all_gather_tensor = counting_all_gather
+            try:
+                self.conv.post_optimizer_hook(parts)
+            finally:
+                funcol.all_gather_tensor = orig_all_gather
+            return len(sum_calls)
 
     for precompute in (True, False):
         # Tensor parallelism alone (each dp group computes the same model on all rows).
@@ -243,7 +247,6 @@ def _scenarios(rank):
         res["subclass_error"] = None
     except TypeError as e:
         res["subclass_error"] = str(e)
-    dist.all_reduce = orig_all_reduce
     return res
 
 
@@ -274,7 +277,7 @@ def test_fsdp_x_tp_gathers_ternary_codes(results):
 
 
 def test_precomputed_sums_cover_every_shard(results):
-    # One all-reduce per sharded mesh dimension for all layers: TP alone 1, FSDP x TP 2
+    # One collective per sharded mesh dimension for all layers: TP alone 1, FSDP x TP 2
     # (w1 and w3 share their groups with w2; biases are not BitNet weights).
     assert results["tp_pre"]["issued"] == [1] * STEPS
     assert results["fsdp_tp_pre"]["issued"] == [2] * STEPS

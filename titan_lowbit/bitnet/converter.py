@@ -5,7 +5,7 @@
                   its class for ``BitNetLinear`` (its forward also runs under tensor
                   parallelism); the modules, FQNs and state-dict keys stay as they are.
                   Its ``post_optimizer_hook`` precomputes every weight's scale with one
-                  all-reduce per sharded mesh dimension (``[lowbit]
+                  collective per sharded mesh dimension (``[lowbit]
                   bitnet_precompute_scale``). Unsharded weights keep their ternary
                   codes from one optimizer step to the next (``[lowbit]
                   bitnet_keep_codes``). Under ``compile.enable`` it makes
@@ -196,7 +196,7 @@ class BitNetConverter:
                                            self.keep_codes)
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
-        """After each optimizer step: every sharded weight's scale, one all-reduce per
+        """After each optimizer step: every sharded weight's scale, one collective per
         sharded mesh dimension in all; the unsharded weights' kept codes (here, while the
         GPU still runs the optimizer step, rather than in the next forward's pre-hook,
         which then finds them fresh)."""

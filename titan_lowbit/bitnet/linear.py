@@ -95,7 +95,7 @@ def _drop_stale_sums_hook(model: nn.Module, args) -> None:
     precomputed sum |W| as it is (it is traced, see weight.py); drop here, before it, the
     sums of weights written through a state-dict alias since, e.g. by DCP's in-place load
     without a load_state_dict after it. All ranks load together, so all fall back to the
-    layer's own all-reduce together. One compare per weight. The weights are looked up
-    here, not kept: ``model.to_empty`` (torchtitan's meta-device init, after this was
-    enabled) gives every parameter a new local tensor."""
+    layer's own sum over the ranks together. One compare per weight. The weights are
+    looked up here, not kept: ``model.to_empty`` (torchtitan's meta-device init, after
+    this was enabled) gives every parameter a new local tensor."""
     drop_stale_abs_sums(local_training_weight(layer.weight) for layer in model._bitnet_tp_layers)

@@ -132,8 +132,16 @@ def _quantize_weight(w: torch.Tensor,
     """Ternary codes (int8 [N, K]), the same codes transposed (int8 [K, N], contiguous:
     grad_input's K-major operand, written by the same kernel instead of a copy in the
     backward) and the abs-mean scale (fp32, 0-d) of an unsharded 2-D weight [N, K].
-    ``traced``: the kernel's launch is recorded for Inductor (module docstring)."""
-    return quantize_weight_from_sum(w, _q.weight_abs_sum(w), traced)
+    ``traced``: the kernel's launch is recorded for Inductor (module docstring), and sum
+    |W| is a torch op of the graph, which Inductor fuses and orders as it likes: a
+    compiled model quantizes its unsharded weights only there (kept codes, computed
+    eagerly, are graph inputs instead), so the scale of such a weight has one order in a
+    run, eager or compiled."""
+    if traced:
+        abs_sum = torch.linalg.vector_norm(w, 1, dtype=torch.float32)
+    else:
+        abs_sum = _q.weight_abs_sum(w)
+    return quantize_weight_from_sum(w, abs_sum, traced)
 
 
 def quantize_weight_from_sum(w: torch.Tensor, abs_sum: torch.Tensor, traced: bool = False
@@ -151,7 +159,7 @@ def quantize_weight_from_sum(w: torch.Tensor, abs_sum: torch.Tensor, traced: boo
 def _quantize_weight_shard(w: torch.Tensor, abs_sum: torch.Tensor, numel: int,
                            traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Ternary codes and scale of one shard of a weight, from the whole weight's sum |W|
-    (all-reduced over the shards) and element count (tensor parallelism)."""
+    (summed over the shards) and element count (tensor parallelism)."""
     return _ternarize_from_sum(w, abs_sum, numel, pack=False, traced=traced)
 
 
@@ -216,11 +224,17 @@ def _linear_backward_fake(dy, x_codes, x_scale, w_codes, w_scale, dy_amax, int8_
     return dx, dw
 
 
+def _weight_abs_sums_fake(ws):
+    return [w.new_empty((), dtype=torch.float32) for w in ws]
+
+
 _QUANTIZE_WEIGHT = _define("bitnet_quantize_weight(Tensor w) -> (Tensor, Tensor, Tensor)",
                            _quantize_weight, _quantize_weight_fake)
 _QUANTIZE_WEIGHT_SHARD = _define(
     "bitnet_quantize_weight_shard(Tensor w, Tensor abs_sum, int numel) -> (Tensor, Tensor)",
     _quantize_weight_shard, _quantize_weight_shard_fake)
+_WEIGHT_ABS_SUMS = _define("bitnet_weight_abs_sums(Tensor[] ws) -> Tensor[]",
+                            _q.weight_abs_sums, _weight_abs_sums_fake)
 _LINEAR_FORWARD = _define(
     "bitnet_linear_forward(Tensor x, Tensor w_codes, Tensor w_scale, Tensor? x_amax) "
     "-> (Tensor, Tensor, Tensor)",
@@ -272,6 +286,15 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return (_quantize_weight_traced if _compiling(w) else _QUANTIZE_WEIGHT)(w)
 
 
+def weight_abs_sums(ws) -> list[torch.Tensor]:
+    """sum |W| of each weight (fp32, 0-d each), in the one order of
+    ``bitnet_quant.weight_abs_sums``, also inside a compiled graph: there the operator is
+    opaque, so Inductor runs it as it runs eagerly instead of generating its own
+    reduction (a tensor-parallel forward whose weights have no precomputed sums, e.g.
+    the first after a checkpoint load, then gets the bits the precompute would have)."""
+    return _WEIGHT_ABS_SUMS([w.detach() for w in ws])
+
+
 def quantize_weight_shard(w: torch.Tensor, abs_sum: torch.Tensor,
                           numel: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Ternary codes and scale of one shard of a weight from the whole weight's sum |W|
@@ -305,7 +328,7 @@ def pack_ternary_from_sum(w: torch.Tensor, abs_sum: torch.Tensor,
                           numel: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Ternary codes of a weight shard packed four per byte (uint8 [R, ceil(C / 4)], the
     FSDP payload) with the scale g = max(abs_sum / numel, EPS) derived in the same kernel
-    from the whole weight's (all-reduced) sum |W|; returns (packed codes, g)."""
+    from the whole weight's sum |W| (over all shards); returns (packed codes, g)."""
     return _ternarize_from_sum(w, abs_sum, numel, pack=True)
 
 

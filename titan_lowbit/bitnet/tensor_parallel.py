@@ -19,31 +19,30 @@ with the placement the style expects:
 
 Every rank therefore quantizes exactly as the unsharded layer: the same row scales for
 x and dy, and the same tensor scale g = mean |W| from the whole weight's sum |W|
-(all-reduced over the TP ranks, and over the FSDP ranks first when FSDP shards the
-weight too). Up to the summation order of the partial products, the outputs and
-gradients equal the unsharded layer's.
+(summed over the TP ranks, and over the FSDP ranks first when FSDP shards the weight
+too; ``weight.sum_over_ranks``). Up to the summation order of the partial products, the
+outputs and gradients equal the unsharded layer's.
 
 Under FSDP x TP the all-gather happens in ``fsdp_pre_all_gather``, before any forward,
 so the module carries its TP group (``bitnet_tp_group``, set by
 ``linear.enable_tensor_parallel`` after the model is parallelized) for the per-layer
-scale all-reduce there.
+scale's sum over the ranks there.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from titan_lowbit.bitnet import ops
-from titan_lowbit.kernels.bitnet_quant import weight_abs_sum
 from titan_lowbit.bitnet.weight import (
     BitNetTernaryWeight,
     BitNetTrainingWeight,
     autocast_input,
     check_dtypes,
+    sum_over_ranks,
 )
 
 
@@ -66,9 +65,11 @@ def _weight_codes(module: nn.Module, weight: DTensor, group,
         # dropped by an optimizer step or an in-place op on the weight (weight.py, _generation)
         abs_sum = local._precomputed_abs_sum
         if abs_sum is None:
-            abs_sum = weight_abs_sum(local._data)
+            # precompute_scales' sum for this one weight (an opaque operator and a
+            # functional all-gather under torch.compile: the same bits traced or eager)
+            abs_sum = ops.weight_abs_sums([local._data])[0]
             if sharded:
-                abs_sum = funcol.wait_tensor(funcol.all_reduce(abs_sum, "sum", group))
+                abs_sum = sum_over_ranks(abs_sum.view(1), [group]).view(())
         numel = module.in_features * module.out_features
         codes, scale = ops.quantize_weight_shard(local._data, abs_sum, numel)
         return codes, scale, local._int8_backward

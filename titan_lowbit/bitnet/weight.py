@@ -19,10 +19,13 @@ All-gather (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``): each rank terna
 shard with the global scale and sends the codes packed four per byte (0.25 byte per
 element, 1/8 of bf16); after the gather the codes are unpacked into int8. The global
 sum |W| behind the scale is either precomputed after the optimizer step for all layers
-with one all-reduce per sharded mesh dimension (``precompute_scales``, called by the
-converter's post_optimizer_hook) or, when absent, all-reduced per layer inside
+with one collective per sharded mesh dimension (``precompute_scales``, called by the
+converter's post_optimizer_hook) or, when absent, summed per layer inside
 ``fsdp_pre_all_gather`` (over the FSDP shards, then over the module's
-``bitnet_tp_group`` under tensor parallelism, see ``tensor_parallel.py``). The scale
+``bitnet_tp_group`` under tensor parallelism, see ``tensor_parallel.py``). Both compute a
+weight's sum in one order, local (``ops.weight_abs_sums``) and over the ranks
+(``sum_over_ranks``), so the scale has the same bits either way: a run resumed from a
+checkpoint, whose first step has no precomputed sums, continues bit for bit. The scale
 travels in the all-gather metadata (every rank holds the same value), not in the payload.
 With precomputed sums, the packing itself also moves out of the all-gathers: the same hook
 re-packs every gathered shard into buffers kept between steps (``PackedShard``), and both
@@ -43,7 +46,7 @@ import weakref
 from typing import Iterable
 
 import torch
-import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
@@ -51,7 +54,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from titan_lowbit.bitnet import ops
-from titan_lowbit.kernels.bitnet_quant import check_float_input, weight_abs_sum
+from titan_lowbit.kernels.bitnet_quant import check_float_input
 
 aten = torch.ops.aten
 
@@ -83,8 +86,8 @@ _TERNARY_VIEWS = {aten.detach.default, aten.alias.default, aten.view.default, at
 # every rank makes together: an optimizer step (the same hook) and an in-place op on the
 # weight, which is what load_state_dict does (torchtitan's checkpoint load runs it after
 # DCP's in-place load). Not by a state_dict() taken: a dropped sum falls back to the
-# per-layer all-reduce, a collective, which must not depend on what one rank alone may
-# do. A write into a state-dict alias (DCP's in-place load) bypasses __torch_dispatch__
+# per-layer sum over the ranks, a collective, which must not depend on what one rank
+# alone may do. A write into a state-dict alias (DCP's in-place load) bypasses __torch_dispatch__
 # but bumps the latent tensor's version counter: the FSDP2 all-gather compares it; the
 # tensor-parallel forward cannot (torch.compile traces it, and compares of counters there
 # would recompile at every step), so a forward pre-hook that is never traced does
@@ -242,7 +245,7 @@ class BitNetTrainingWeight(_RoutesLinear):
     def set_precomputed_abs_sum(self, abs_sum: torch.Tensor) -> None:
         """Keep the whole weight's sum |W| of the current values (precompute_scales) until
         the next optimizer step or in-place op on the weight; the all-gather (FSDP) or
-        forward (TP) without one all-reduces this layer's sum itself."""
+        forward (TP) without one sums this layer's |W| over the ranks itself."""
         self._precomputed_abs_sum = abs_sum
         self._abs_sum_version = self._data._version
         _weights_with_sums[id(self)] = self
@@ -336,12 +339,14 @@ class BitNetTrainingWeight(_RoutesLinear):
         # current_abs_sum compares the version counter, here in eager code)
         abs_sum = self.current_abs_sum()
         if abs_sum is None:
-            abs_sum = weight_abs_sum(self._data)
-            if world > 1:
-                dist.all_reduce(abs_sum, group=_shard_group(mesh))
+            # precompute_scales' sum for this one weight: the same local sum, then over
+            # the FSDP shards and the TP ranks (mesh-dim order) in rank order
+            groups = [_shard_group(mesh)] if world > 1 else []
             tp_group = getattr(module, "bitnet_tp_group", None)
-            if tp_group is not None and dist.get_world_size(tp_group) > 1:
-                dist.all_reduce(abs_sum, group=tp_group)
+            if tp_group is not None:
+                groups.append(tp_group)
+            local_sum = ops.weight_abs_sums([self._data])[0]
+            abs_sum = sum_over_ranks(local_sum.view(1), groups).view(())
         packed, scale = ops.pack_ternary_from_sum(self._data, abs_sum, numel)
         self._fsdp_gathered = True
         return (packed,), (scale, self._data.shape[1], False)
@@ -398,7 +403,7 @@ class PackedShard:
 
     The buffers, the kernel's arguments and its compiled launch are prepared once, so a
     re-pack costs one launch of host time. ``abs_sum`` is the buffer the precomputed
-    (all-reduced) sum |W| is copied into; ``version`` and ``generation`` are the latent
+    sum |W| (over all shards) is copied into; ``version`` and ``generation`` are the latent
     weight's version counter and the weights' generation at the last pack (the
     all-gather hands the pack over only while both match).
     The gathered weights read ``scale`` itself, so a re-pack updates them too.
@@ -500,13 +505,41 @@ def local_training_weight(p: torch.Tensor) -> BitNetTrainingWeight | None:
     return local if isinstance(local, BitNetTrainingWeight) else None
 
 
+def sum_over_ranks(sums: torch.Tensor, groups) -> torch.Tensor:
+    """``sums`` (fp32 [n], this rank's values) summed over the ranks of each process group
+    of ``groups`` in turn, each in rank order: rank 0's + rank 1's, + rank 2's, ...
+
+    The values are all-gathered (a gather does no arithmetic) and added here, element by
+    element, so each element's sum has the same bits whatever the length of ``sums`` and
+    the element's place in it: the whole model's stacked sums (``precompute_scales``) and
+    one layer's sum (its own all-gather or tensor-parallel forward) give one weight the
+    same scale. An all-reduce promises no such order: NCCL's ring starts the sum of each
+    chunk of the message at another rank, so with more than two ranks an element's
+    rounding can depend on where it lies in the message. Traceable (functional
+    collectives), for the tensor-parallel forward under torch.compile.
+    """
+    for group in groups:
+        world = group.size()
+        if world == 1:
+            continue
+        gathered = funcol.wait_tensor(funcol.all_gather_tensor(sums, 0, group))
+        gathered = gathered.view(world, *sums.shape)
+        total = gathered[0]
+        for rank in range(1, world):
+            total = total + gathered[rank]
+        sums = total
+    return sums
+
+
 def precompute_scales(params: Iterable[torch.Tensor]) -> int:
     """Set every sharded BitNet weight's global sum |W| for the next all-gather (FSDP) or
     forward (tensor parallelism), from which the kernels derive the abs-mean scale.
 
-    One all-reduce of the stacked local |W| sums per sharded mesh dimension replaces one
-    all-reduce per layer: one in total for a model sharded by FSDP, one over the FSDP and
-    one over the TP ranks for FSDP x TP. Returns the number of all-reduces issued.
+    One all-gather of the stacked local |W| sums per sharded mesh dimension, summed in
+    rank order (``sum_over_ranks``), replaces one per layer: one in total for a model
+    sharded by FSDP, one over the FSDP and one over the TP ranks for FSDP x TP. Each
+    weight's sum has the bits its layer's own sum would have (``weight_abs_sums``,
+    ``sum_over_ranks``). Returns the number of collectives issued.
     Every weight FSDP2 has all-gathered is then re-packed into its ``PackedShard``, the
     all-gather input that the next step's forward and backward all-gathers hand over.
     Unsharded weights need no precompute (their forward sees the whole tensor) and are
@@ -531,11 +564,12 @@ def precompute_scales(params: Iterable[torch.Tensor]) -> int:
     issued = 0
     for groups, weights in by_groups.values():
         with torch.no_grad():
-            # One multi-tensor launch for all local L1 norms (no |W| temporaries).
-            sums = torch.stack(torch._foreach_norm([w._data for w, _ in weights], 1, dtype=torch.float32))
-            for group in groups:  # mesh-dim order: the per-layer path reduces in the same order
-                dist.all_reduce(sums, group=group)
-                issued += 1
+            # One multi-tensor launch for all local sums |W| (no |W| temporaries), each
+            # weight's as the per-layer path computes it alone.
+            sums = torch.stack(ops.weight_abs_sums([w._data for w, _ in weights]))
+            # mesh-dim order: the per-layer path sums over the ranks in the same order
+            sums = sum_over_ranks(sums, groups)
+            issued += len(groups)
             shards, shard_sums = [], []
             for (w, numel), s in zip(weights, sums.unbind(0)):
                 w.set_precomputed_abs_sum(s)
@@ -610,7 +644,7 @@ def refresh_ternary_codes(params: Iterable[torch.Tensor]) -> int:
             if k is None or k.data is not w._data:
                 k = w._kept = KeptCodes(w._data)
             kept.append(k)
-        sums = torch._foreach_norm([w._data for w in stale], 1, dtype=torch.float32)
+        sums = ops.weight_abs_sums([w._data for w in stale])
         torch._foreach_copy_([k.abs_sum for k in kept], sums)
         for w, k in zip(stale, kept):
             k.launch()
@@ -631,8 +665,9 @@ def drop_stale_abs_sums(weights) -> None:
 def _drop_sums_of_written(func, args, kwargs) -> None:
     """Drop the precomputed sums of the BitNet weights ``func`` writes (its arguments
     marked written in the schema: the destination of a copy_, not its source). The
-    dropped sum is all-reduced again, a collective, so only writes count, which every
-    rank makes together; a read of the weights (a copy from them on one rank) must not."""
+    dropped sum is summed over the ranks again, a collective, so only writes count, which
+    every rank makes together; a read of the weights (a copy from them on one rank) must
+    not."""
     for i, arg in enumerate(func._schema.arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
