@@ -9,23 +9,27 @@
   ``.metadata``) stops the run naming the step folder, what is wrong, and the complete
   checkpoints to resume from instead.
 - A new ``step-N`` is written beside the old one and moved into place only once it is
-  complete.
+  complete; a save that fails (a full disk: a real tmpfs where the tests run as root)
+  removes its partial folder and names the free space and what a checkpoint needs.
 - A checkpoint that is fine but cannot resume this run as it is (model-only, another
   data-parallel degree, Adam* against AdamW*, BitNet layers added or dropped, or a load
   error after the file checks passed) stops the run naming the setting to change, and is
   never called damaged nor to be moved or deleted.
 """
 
+import errno
+import functools
 import os
 import pickle
 import shutil
+import subprocess
 import traceback
 from types import SimpleNamespace
 
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import SAVE_STEP, resume_folder, run_train, step_losses
+from conftest import SAVE_STEP, resume_folder, run_on_gloo, run_train, step_losses
 from titan_lowbit.torchtitan import checkpoint as ckpt
 
 LAST = SAVE_STEP + 2  # the fixture run saved at SAVE_STEP and at its last step, LAST
@@ -139,13 +143,13 @@ def test_new_step_folder_replaces_the_old_only_once_complete(tmp_path):
     folder = tmp_path / "checkpoint"
     old = folder / "step-8"
     old.mkdir(parents=True)
-    (old / ".metadata").write_text("old")
+    (old / ".metadata").write_text("old checkpoint index")  # 20 bytes
 
     def failing_save(target):
         os.makedirs(target, exist_ok=True)
         with open(os.path.join(target, "__0_0.distcp"), "w") as f:
             f.write("half")
-        raise OSError("disk full")
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     def save(target):
         os.makedirs(target, exist_ok=True)
@@ -154,10 +158,33 @@ def test_new_step_folder_replaces_the_old_only_once_complete(tmp_path):
                 f.write("new")
         return "saved"
 
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ckpt.CheckpointNotSaved, match="No space left on device") as err:
         ckpt.save_atomically(failing_save, str(old))
-    assert sorted(os.listdir(old)) == [".metadata"] and (old / ".metadata").read_text() == "old"
-    # The half-written save is invisible to torchtitan's resume and to its purge.
+    assert sorted(os.listdir(old)) == [".metadata"]
+    assert (old / ".metadata").read_text() == "old checkpoint index"
+    assert sorted(os.listdir(folder)) == ["step-8"]  # .saving-8 removed
+    free = shutil.disk_usage(folder).free
+    for text in (f"checkpoint {old} was not saved", "The disk is full",
+                 f"The partial folder {folder / '.saving-8'} (4 bytes written) was removed",
+                 "takes about 20 bytes (the size of step-8)",
+                 f"the earlier checkpoints in {folder} (steps [8]) are untouched", "keep_latest_k"):
+        assert text in str(err.value), (text, str(err.value))
+    assert " free when the save failed" in str(err.value) and free > 0
+    # DCP's form on several ranks: torch.save's short write inside a CheckpointException.
+    short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    def dcp_failing_save(target):
+        os.makedirs(target, exist_ok=True)
+        raise ckpt.CheckpointException("save failed", {1: (short, traceback.StackSummary())})
+
+    with pytest.raises(ckpt.CheckpointNotSaved, match="unexpected pos 704 vs 598") as err:
+        ckpt.save_atomically(dcp_failing_save, str(old))
+    assert "If the file system is full or its quota reached: free space" in str(err.value)
+    assert sorted(os.listdir(folder)) == ["step-8"]
+    other_rank = ckpt.save_failure(old, folder / ".saving-8", short, remove=False)
+    assert str(other_rank).endswith(f"Rank 0 removes the partial folder {folder / '.saving-8'} "
+                                    "and reports the free space on that file system.")
+    # torchtitan resumes from the complete checkpoint.
     manager = SimpleNamespace(folder=str(folder))
     from torchtitan.components.checkpoint import CheckpointManager
 
@@ -167,6 +194,62 @@ def test_new_step_folder_replaces_the_old_only_once_complete(tmp_path):
     assert ckpt.save_atomically(save, str(old)) == "saved"
     assert sorted(os.listdir(folder)) == ["step-8"]
     assert (old / ".metadata").read_text() == "new" and (old / "__0_0.distcp").read_text() == "new"
+
+
+def _save_on_a_full_tmpfs(folder: str, rank: int) -> dict:
+    """(a rank of run_on_gloo, a process of its own) Mount a 4 MiB tmpfs on ``folder`` in
+    a mount namespace of this process alone, save a 1 MiB checkpoint step-1 there, then a
+    5 MiB step-2 through save_atomically; return what that raised and what the folder
+    holds, or {"skip": why} where no tmpfs can be mounted."""
+    import ctypes
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS
+        return {"skip": f"unshare(CLONE_NEWNS): {os.strerror(ctypes.get_errno())}"}
+    for cmd in (["mount", "--make-rprivate", "/"],
+                ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", folder]):
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            return {"skip": f"{' '.join(cmd)}: {proc.stderr.strip()}"}
+
+    def saver(state):
+        return lambda target: dcp.save(state, checkpoint_id=target)
+
+    ckpt.save_atomically(saver({"w": torch.ones(256, 1024)}), os.path.join(folder, "step-1"))
+    try:
+        ckpt.save_atomically(saver({"w": torch.ones(256, 1024), "m": torch.ones(1024, 1024)}),
+                             os.path.join(folder, "step-2"))
+        out = {"raised": None}
+    except BaseException as err:  # noqa: BLE001  (what it is, is the result)
+        out = {"raised": type(err).__name__, "message": str(err)}
+    out["files"] = {name: sorted(os.listdir(os.path.join(folder, name)))
+                    for name in os.listdir(folder)}
+    return out
+
+
+def test_a_full_disk_stops_the_save_naming_the_space_and_removing_the_partial_folder(tmp_path):
+    """A real full file system (a 4 MiB tmpfs, mounted by a process of its own where it
+    runs as root; elsewhere skipped, the simulated ENOSPC above covers the rest). There
+    torch.save's error says nothing of the disk ("unexpected pos"), so the error must."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root and mount")
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    out = run_on_gloo(functools.partial(_save_on_a_full_tmpfs, str(folder)), 1,
+                      tmp_path / "full_disk.pt")
+    if "skip" in out:
+        pytest.skip(f"cannot mount a tmpfs here: {out['skip']}")
+    assert out["raised"] == "CheckpointNotSaved", out
+    assert out["files"] == {"step-1": [".metadata", "__0_0.distcp"]}, out  # no .saving-2
+    for text in (f"checkpoint {folder / 'step-2'} was not saved", "unexpected pos",
+                 "had 0 bytes free when the save failed", "The disk is full",
+                 f"The partial folder {folder / '.saving-2'} (",
+                 "written) was removed", "this checkpoint needs more than the ",
+                 f"the earlier checkpoints in {folder} (steps [1]) are untouched"):
+        assert text in out["message"], (text, out["message"])
 
 
 NOT_DAMAGE = ("damaged", "delete", "Move ", "restore the files")
