@@ -109,11 +109,14 @@ STRUCTURAL = (
                "the persistent local tensor of a DTensor (to_local() returns a fresh view, "
                "which cannot carry per-weight caches)",
                "none"),
-    PrivateUse("torch", "titan_lowbit/bitnet/weight.py, titan_lowbit/optim/adamw.py",
+    PrivateUse("torch", "kernels/bitnet_quant.py (weight_abs_sums), titan_lowbit/optim/adamw.py",
                "torch._foreach_norm, torch._foreach_copy_",
-               "one launch for the norms of all weights instead of one per weight",
+               "one launch for the norms of all weights instead of one per weight; "
+               "_foreach_norm's result for a tensor depends on that tensor alone, so a weight's "
+               "sum |W| has one order on every path (bit-exact BitNet resume)",
                "none"),
-    PrivateUse("torch", "titan_lowbit/bitnet/ops.py, titan_lowbit/bitnet/tensor_parallel.py",
+    PrivateUse("torch", "titan_lowbit/bitnet/ops.py, titan_lowbit/bitnet/tensor_parallel.py, "
+               "titan_lowbit/bitnet/weight.py (sum_over_ranks)",
                "torch.distributed._functional_collectives, torch._subclasses.fake_tensor.is_fake, "
                "torch._prims_common.make_contiguous_strides_for",
                "collectives and shape checks that torch.compile can trace",

@@ -80,8 +80,8 @@ class LowBit:
     in high precision (default: the output head). Embeddings are never converted."""
 
     bitnet_precompute_scale: bool = BITNET_DEFAULTS["bitnet_precompute_scale"]
-    """Compute every BitNet weight scale after the optimizer step with one all-reduce
-    for all layers (instead of one all-reduce per layer inside the all-gather)."""
+    """Compute every BitNet weight scale after the optimizer step with one collective
+    for all layers (instead of one per layer inside the all-gather)."""
 
     bitnet_keep_codes: bool = BITNET_DEFAULTS["bitnet_keep_codes"]
     """Unsharded BitNet weights (one device, no FSDP or TP) keep their ternary codes

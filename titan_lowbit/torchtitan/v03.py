@@ -654,7 +654,7 @@ class LowBitTrainer(Trainer):
         super().__init__(config)
         bitnet = _bitnet_params(self.model_parts)
         if bitnet and any(isinstance(p, DTensor) for p in bitnet):
-            # After each optimizer step: every sharded weight's sum |W|, one all-reduce per
+            # After each optimizer step: every sharded weight's sum |W|, one collective per
             # sharded mesh dimension for all of them (instead of one per layer in the
             # all-gather that follows).
             self.optimizers.register_step_post_hook(lambda *args, **kwargs: precompute_scales(bitnet))
