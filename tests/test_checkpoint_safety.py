@@ -5,9 +5,11 @@
   same per-step losses as the uninterrupted run, and its own save replaces the
   incomplete folder.
 - A checkpoint whose files were changed after they were written (overwritten bytes:
-  DCP itself loads them silently; truncated or missing files; an unreadable
-  ``.metadata``) stops the run naming the step folder, what is wrong, and the complete
-  checkpoints to resume from instead.
+  DCP itself loads them silently; two records swapped, a pickled non-tensor record
+  edited, an index that moves or drops records: the manifest each save writes; truncated
+  or missing files; an unreadable ``.metadata``) stops the run naming the step folder,
+  the records, and the complete checkpoints to resume from instead. One without a
+  manifest (older versions) is checked per record and says so once.
 - A new ``step-N`` is written beside the old one and moved into place only once it is
   complete; a save that fails (a full disk: a real tmpfs where the tests run as root)
   removes its partial folder and names the free space and what a checkpoint needs.
@@ -31,6 +33,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import SAVE_STEP, resume_folder, run_on_gloo, run_train, step_losses
 from titan_lowbit.torchtitan import checkpoint as ckpt
+from titan_lowbit.torchtitan.checkpoint_manifest import MANIFEST, index_places, write_manifest
 
 LAST = SAVE_STEP + 2  # the fixture run saved at SAVE_STEP and at its last step, LAST
 # What torch.distributed.checkpoint.load warns when called with no_dist=True.
@@ -91,9 +94,10 @@ def test_interrupted_save_is_skipped_and_resume_continues_identically(two_proces
     # warning of torch's: a user reads one at every resume as a fault.
     assert FOREIGN_WARNING not in proc.stdout + proc.stderr, proc.stderr[-3000:]
 
-    # The run's own last-step save replaced the incomplete folder with a complete one.
+    # The run's own last-step save replaced the incomplete folder with a complete one,
+    # its manifest written with it.
     step_dir = dump / "checkpoint" / f"step-{LAST}"
-    assert ckpt.file_problems(str(step_dir), ckpt.read_metadata(str(step_dir))) == []
+    assert ckpt.checkpoint_problems(str(step_dir), ckpt.read_metadata(str(step_dir))) == ([], True)
     assert sorted(os.listdir(dump / "checkpoint")) == [f"step-{SAVE_STEP}", f"step-{LAST}"]
 
 
@@ -107,11 +111,14 @@ def test_damaged_checkpoint_stops_the_run_naming_folder_tensor_and_fallback(
     out = stopped_run(*overrides, "--job.dump_folder", str(dump), "--training.steps", str(LAST + 1))
     step_dir = dump / "checkpoint" / f"step-{LAST}"
     for text in (f"checkpoint {step_dir} is damaged or incomplete and was not loaded",
-                 damaged["fqn"], "Bad CRC-32", f"steps [{SAVE_STEP}]", "--checkpoint.load_step"):
+                 damaged["fqn"], "does not match the CRC-32 written with the checkpoint",
+                 f"steps [{SAVE_STEP}]", "--checkpoint.load_step"):
         assert text in out, (text, out[-3000:])
 
 
 def test_truncated_missing_and_unreadable_files_are_named(two_process_checkpoint, tmp_path):
+    """The checks of a checkpoint without a manifest (written before titan_lowbit wrote
+    one): files and sizes against the index, each tensor record against its own CRC-32."""
     fixture_dump, _, _ = two_process_checkpoint
     step_dir = tmp_path / f"step-{SAVE_STEP}"
     shutil.copytree(fixture_dump / "checkpoint" / f"step-{SAVE_STEP}", step_dir)
@@ -137,6 +144,112 @@ def test_truncated_missing_and_unreadable_files_are_named(two_process_checkpoint
     with pytest.raises(ckpt.CheckpointDamaged, match=r"\.metadata cannot be read") as err:
         ckpt.read_metadata(str(step_dir))
     assert "no other complete checkpoint" in str(err.value)
+
+
+# Two records of equal length in __0_0.distcp (rank 0's rows of two same-shaped weights).
+SWAPPED = tuple(f"optimizer.state.layers.{i}.attention.wq.weight.exp_avg_codes" for i in (0, 1))
+
+
+def place_of(step_dir, fqn: str) -> tuple[str, int, int]:
+    """(file, offset, length) of ``fqn``'s record at the origin (rank 0's chunk)."""
+    places = index_places(FileSystemReader(str(step_dir)).read_metadata())
+    [place] = [p for (name, offset), p in places.items() if name == fqn and not any(offset or ())]
+    return place
+
+
+def swap_records(step_dir, a: str = SWAPPED[0], b: str = SWAPPED[1]) -> None:
+    """Swap the bytes of records ``a`` and ``b`` (same file, same length) in place: each
+    keeps the CRC-32 torch.save stored in it, so the per-record check passes."""
+    (file_a, start_a, length), (file_b, start_b, length_b) = place_of(step_dir, a), place_of(step_dir, b)
+    assert file_a == file_b and length == length_b, (place_of(step_dir, a), place_of(step_dir, b))
+    with open(step_dir / file_a, "r+b") as f:
+        f.seek(start_a)
+        bytes_a = f.read(length)
+        f.seek(start_b)
+        bytes_b = f.read(length)
+        f.seek(start_a)
+        f.write(bytes_b)
+        f.seek(start_b)
+        f.write(bytes_a)
+
+
+def add_one_to_the_step(step_dir) -> None:
+    """Change the pickled step in the non-tensor record ``train_state.step`` (torch.save of
+    an int: pickle's BININT1 opcode K, the value, STOP) from N to N + 1, in place."""
+    name, start, length = place_of(step_dir, "train_state.step")
+    with open(step_dir / name, "r+b") as f:
+        f.seek(start)
+        record = f.read(length)
+        at = record.index(b"K" + bytes([LAST]) + b".")
+        f.seek(start + at + 1)
+        f.write(bytes([LAST + 1]))
+
+
+def test_manifest_names_swapped_edited_moved_and_dropped_records(two_process_checkpoint, tmp_path):
+    """Every save writes a manifest (each record's place, length and CRC-32); against it
+    a swap of two records, a changed non-tensor record and an index that moves or drops
+    records are named, where the per-record CRC-32 sees none of them."""
+    fixture_dump, _, _ = two_process_checkpoint
+    step_dir = tmp_path / f"step-{LAST}"
+    shutil.copytree(fixture_dump / "checkpoint" / f"step-{LAST}", step_dir)
+    meta = ckpt.read_metadata(str(step_dir))
+    assert ckpt.checkpoint_problems(str(step_dir), meta) == ([], True)
+
+    swap_records(step_dir)
+    add_one_to_the_step(step_dir)
+    assert ckpt.file_problems(str(step_dir), meta) == []  # what the per-record check sees
+    problems, by_manifest = ckpt.checkpoint_problems(str(step_dir), meta)
+    assert by_manifest and len(problems) == 3, problems
+    named = {problem.split(" (", 1)[0]: problem for problem in problems}
+    for name, other in (SWAPPED, SWAPPED[::-1]):
+        assert named[name].startswith(f"{name} (__0_0.distcp bytes "), named
+        assert named[name].endswith(f"these bytes are the ones written for {other}: records "
+                                    "moved or swapped"), named
+    assert named["train_state.step"].startswith("train_state.step (__0_0.distcp bytes 0-"), named
+    assert "does not match the CRC-32 written with the checkpoint" in named["train_state.step"]
+    # TITAN_LOWBIT_VERIFY_CHECKPOINT=size reads no data; rank 1 of 2 reads __1_0.distcp only.
+    assert ckpt.checkpoint_problems(str(step_dir), meta, crc=False) == ([], True)
+    assert ckpt.checkpoint_problems(str(step_dir), meta, rank=1, world=2) == ([], True)
+
+    # An index that places a record elsewhere, or drops records, differs from .metadata's
+    # CRC-32 in the manifest; the records are named.
+    shutil.rmtree(step_dir)
+    shutil.copytree(fixture_dump / "checkpoint" / f"step-{LAST}", step_dir)
+    edited = FileSystemReader(str(step_dir)).read_metadata()
+    index = {i.fqn: i for i in edited.storage_data if not any(i.offset or ())}
+    a, b = (index[fqn] for fqn in SWAPPED)
+    edited.storage_data[a], edited.storage_data[b] = edited.storage_data[b], edited.storage_data[a]
+    edited.storage_data = {k: v for k, v in edited.storage_data.items()
+                           if not k.fqn.startswith("lr_scheduler.")}
+    with open(step_dir / ".metadata", "wb") as f:
+        pickle.dump(edited, f)
+    problems, _ = ckpt.checkpoint_problems(str(step_dir), edited)
+    assert problems[0].startswith(f"{SWAPPED[0]}: the .metadata index places it at __0_0.distcp "
+                                  "bytes "), problems
+    assert problems[1].startswith(f"{SWAPPED[1]}: the .metadata index places it at"), problems
+    assert "missing from the checkpoint's .metadata index (its manifest lists them), e.g. " \
+        "lr_scheduler." in problems[2], problems
+
+    (step_dir / MANIFEST).write_text('{"titan_lowbit_manifest": 1, "records": [')
+    problems, _ = ckpt.checkpoint_problems(str(step_dir), edited)
+    assert problems[0].startswith(f"{MANIFEST} cannot be read: JSONDecodeError("), problems
+
+
+def test_swapped_and_edited_records_stop_the_resume_naming_them(two_process_checkpoint, tmp_path):
+    fixture_dump, _, overrides = two_process_checkpoint
+
+    def damage(step_dir):
+        swap_records(step_dir)
+        add_one_to_the_step(step_dir)
+
+    dump = dump_with(tmp_path, fixture_dump, damage)
+    out = stopped_run(*overrides, "--job.dump_folder", str(dump), "--training.steps", str(LAST + 2))
+    step_dir = dump / "checkpoint" / f"step-{LAST}"
+    for text in (f"checkpoint {step_dir} is damaged or incomplete and was not loaded",
+                 f"{SWAPPED[0]} (__0_0.distcp bytes ", f"{SWAPPED[1]} (__0_0.distcp bytes ",
+                 "records moved or swapped", "train_state.step (__0_0.distcp bytes 0-",
+                 f"steps [{SAVE_STEP}]", "--checkpoint.load_step"):
+        assert text in out, (text, out[-3000:])
 
 
 def test_new_step_folder_replaces_the_old_only_once_complete(tmp_path):
@@ -263,14 +376,20 @@ def assert_mismatch_only(out: str) -> None:
         assert text not in out, (text, out[-3000:])
 
 
-def keep_entries(step_dir, keep) -> None:
+def keep_entries(step_dir, keep, manifest: bool = True) -> None:
     """Rewrite ``step_dir``'s ``.metadata`` so that it indexes only the entries whose key
-    ``keep(key)`` accepts (the data files stay as they are)."""
+    ``keep(key)`` accepts (the data files stay as they are), and its manifest to match
+    (``manifest``, as a save of those entries writes it) or remove it (as titan_lowbit
+    wrote checkpoints before manifests)."""
     meta = FileSystemReader(str(step_dir)).read_metadata()
     meta.state_dict_metadata = {k: v for k, v in meta.state_dict_metadata.items() if keep(k)}
     meta.storage_data = {k: v for k, v in meta.storage_data.items() if keep(k.fqn)}
     with open(step_dir / ".metadata", "wb") as f:
         pickle.dump(meta, f)
+    if manifest:
+        write_manifest(str(step_dir))
+    else:
+        (step_dir / MANIFEST).unlink()
 
 
 def keep_model_only(step_dir) -> None:
@@ -344,16 +463,21 @@ def test_resume_with_bitnet_added_names_the_converters_and_a_new_run_may_start_f
 
 
 def drop_conversion_record(step_dir) -> None:
-    """Make ``step_dir`` what titan_lowbit wrote before it recorded the conversion."""
-    keep_entries(step_dir, lambda k: not k.startswith(ckpt.RECORD + "."))
+    """Make ``step_dir`` what titan_lowbit wrote before it recorded the conversion (and
+    before it wrote manifests)."""
+    keep_entries(step_dir, lambda k: not k.startswith(ckpt.RECORD + "."), manifest=False)
 
 
 def test_checkpoint_without_conversion_record_resumes_identically(two_process_checkpoint, tmp_path):
     fixture_dump, full, overrides = two_process_checkpoint
     dump = dump_with(tmp_path, fixture_dump, drop_conversion_record)  # step-LAST edited
     proc = run_train(*overrides, "--job.dump_folder", str(dump), "--training.steps", str(LAST + 1))
-    assert f"Loading the checkpoint from {dump / 'checkpoint' / f'step-{LAST}'}" in proc.stdout
+    step_dir = dump / "checkpoint" / f"step-{LAST}"
+    assert f"Loading the checkpoint from {step_dir}" in proc.stdout
     assert sorted(step_losses(proc.stdout)) == [LAST + 1], proc.stdout[-3000:]
+    # Without a manifest the checks are the per-record ones, and the log says so once.
+    assert proc.stdout.count(f"checkpoint {step_dir} has no manifest") == 1, proc.stdout[-3000:]
+    assert "checked by the per-record CRC-32 only" in proc.stdout
 
 
 def raised(fn) -> BaseException:

@@ -2,13 +2,19 @@
 
 Loading. Before torchtitan's ``CheckpointManager.dcp_load`` reads anything:
 
-- the checkpoint's files are checked against its ``.metadata`` index: every file there,
-  none shorter than the index says, and every tensor's CRC-32 (torch.save writes one per
-  record; DCP itself never checks it, so overwritten bytes would load silently). The
-  ranks split the files between them and agree on the verdict. A damaged checkpoint
-  stops the run naming the step folder, what is wrong, and the complete checkpoints
-  beside it to resume from instead. ``TITAN_LOWBIT_VERIFY_CHECKPOINT=size`` keeps the
-  file and size checks but skips reading the data for the CRCs;
+- the checkpoint's files are checked against the manifest every save writes beside
+  ``.metadata`` (:mod:`titan_lowbit.torchtitan.checkpoint_manifest`): ``.metadata``
+  itself, every file's size, and every record's place, length and CRC-32, tensor and
+  non-tensor records alike, so a record swapped, moved, edited, added or dropped is
+  named. A checkpoint without a manifest (written before titan_lowbit wrote them, or by
+  an async save) is checked as before, with one log line saying so: every file the
+  ``.metadata`` index names there, none shorter than it says, and every tensor record's
+  own CRC-32 (torch.save writes one per record; DCP itself never checks it, so
+  overwritten bytes would load silently). The ranks split the files between them and
+  agree on the verdict. A damaged checkpoint stops the run naming the step folder, what
+  is wrong, and the complete checkpoints beside it to resume from instead.
+  ``TITAN_LOWBIT_VERIFY_CHECKPOINT=size`` keeps the file, size and index checks but skips
+  reading the data for the CRCs;
 - :func:`check_compatible` compares the checkpoint's optimizer layout (state format,
   block size, BF16 update rule, fp32-state threshold) and parameter dtypes with the
   current run's, and stops with both named: torch.distributed.checkpoint loads into the
@@ -38,7 +44,8 @@ But a save into an existing ``step-N`` folder (a run resumed from an earlier ste
 re-saves a step it had saved before) overwrites that checkpoint's files in place while
 its old ``.metadata`` still stands. So synchronous saves are written to ``.saving-N``
 beside the step folders and moved into place as ``step-N`` only once complete; the old
-``step-N`` is removed after that. A save that fails (a full disk, most often: torch.save
+``step-N`` is removed after that. The manifest is written last, into ``.saving-N``,
+so it becomes part of ``step-N`` with the rest. A save that fails (a full disk, most often: torch.save
 then says only "unexpected pos") removes its ``.saving-N`` and raises
 :class:`CheckpointNotSaved` naming the free space, the space a checkpoint takes and the
 untouched earlier checkpoints. (Async saves, ``[checkpoint] async_mode``, keep
@@ -70,6 +77,13 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from titan_lowbit.bitnet.weight import local_training_weight
 from titan_lowbit.compat import private_api_ok
 from titan_lowbit.optim.formats import STATE_FORMATS, block_of
+from titan_lowbit.torchtitan.checkpoint_manifest import (
+    MANIFEST,
+    ManifestUnreadable,
+    manifest_problems,
+    read_manifest,
+    write_manifest,
+)
 from titan_lowbit.torchtitan.lowbit_optimizers import is_lowbit
 
 STEP_DIR = re.compile(r"step-(\d+)")  # torchtitan's own pattern (re.search)
@@ -541,24 +555,49 @@ def file_problems(checkpoint_id: str, metadata, rank: int = 0, world: int = 1,
     return problems
 
 
+def checkpoint_problems(checkpoint_id: str, metadata, rank: int = 0, world: int = 1,
+                        crc: bool = True) -> tuple[list[str], bool]:
+    """(what is wrong with the checkpoint's files in this rank's share, whether its
+    manifest checked them): against the manifest where the checkpoint has one
+    (:func:`manifest_problems`: every record's place and bytes), else each tensor record
+    against its own CRC-32 (:func:`file_problems`)."""
+    try:
+        manifest = read_manifest(checkpoint_id)
+    except ManifestUnreadable as err:
+        return [str(err)], True
+    if manifest is None:
+        return file_problems(checkpoint_id, metadata, rank, world, crc), False
+    return manifest_problems(checkpoint_id, metadata, manifest, rank, world, crc), True
+
+
 def verify(checkpoint_id: str, metadata) -> None:
     """Raise CheckpointDamaged on every rank when any rank finds a problem with the
-    checkpoint's files (see :func:`file_problems`)."""
+    checkpoint's files (see :func:`checkpoint_problems`)."""
     from torchtitan.tools.logging import logger
 
     begin = time.monotonic()
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     crc = os.environ.get(VERIFY_ENV, "crc").lower() != "size"
-    problems = file_problems(checkpoint_id, metadata, rank, world, crc)
+    problems, by_manifest = checkpoint_problems(checkpoint_id, metadata, rank, world, crc)
     if distributed:
         gathered: list[list[str] | None] = [None] * world
         dist.all_gather_object(gathered, problems)
         problems = list(dict.fromkeys(p for ps in gathered for p in ps or []))
     if problems:
         raise CheckpointDamaged(checkpoint_id, problems)
-    logger.info(f"titan_lowbit: checkpoint {checkpoint_id}: files "
-                f"{'and CRC-32 ' if crc else ''}verified in {time.monotonic() - begin:.1f} s")
+    took = f"in {time.monotonic() - begin:.1f} s"
+    if by_manifest:
+        logger.info(f"titan_lowbit: checkpoint {checkpoint_id}: "
+                    + (f"every record verified against its manifest (place, length, CRC-32) {took}"
+                       if crc else f"files and index verified against its manifest {took} "
+                       f"({VERIFY_ENV}=size: the data was not read)"))
+    else:
+        logger.info(f"titan_lowbit: checkpoint {checkpoint_id} has no manifest ({MANIFEST}: "
+                    "written by titan_lowbit before manifests, or by an async save), so it is "
+                    "checked by the per-record CRC-32 only, which cannot see records swapped "
+                    "between tensors nor a changed non-tensor record: files "
+                    f"{'and CRC-32 ' if crc else ''}verified {took}")
 
 
 def _remove(path: Path) -> None:
@@ -714,8 +753,11 @@ def register() -> None:
             state_dict = {**state_dict, RECORD: conversion_record(self.states[MODEL].model)}
 
         def save(target):
-            return original_save(self, state_dict, target, async_mode,
-                                 enable_garbage_collection, to_hf)
+            result = original_save(self, state_dict, target, async_mode,
+                                   enable_garbage_collection, to_hf)
+            if not to_hf and async_mode == AsyncMode.DISABLED:  # written: the manifest comes last
+                write_manifest(target)
+            return result
 
         if to_hf or async_mode != AsyncMode.DISABLED or not STEP_DIR.fullmatch(
                 os.path.basename(os.path.normpath(checkpoint_id))):
