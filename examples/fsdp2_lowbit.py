@@ -3,7 +3,8 @@ without torchtitan.
 
     torchrun --nproc_per_node=2 examples/fsdp2_lowbit.py --checkpoint-dir ckpt
 
-Each rank uses its GPU (NCCL), or, on a machine without GPUs, its CPU (gloo). The script
+Each rank uses its own GPU (NCCL) when the host has one for every process started on it;
+otherwise every rank uses its CPU (gloo), and the script says so. The script
 trains a small MLP to imitate a fixed random one for ``--steps`` steps with 8-bit AdamW
 states sharded like the parameters, saves model and optimizer with
 torch.distributed.checkpoint halfway, then builds a fresh model and optimizer, loads the
@@ -79,6 +80,23 @@ def load(model, optimizer, path: str) -> None:
                    optim_state_dict=state["optimizer"])
 
 
+def pick_device() -> torch.device:
+    """This rank's device: its GPU (``LOCAL_RANK``) when the host has a GPU for each of its
+    ``LOCAL_WORLD_SIZE`` processes, else the CPU. Every rank of a host decides the same
+    way, so all of them take one backend; a run over several hosts needs the same number
+    of GPUs on each."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus >= local_ranks:
+        return torch.device("cuda", local_rank)
+    if gpus and local_rank == 0:
+        print(f"{local_ranks} processes on this host but {gpus} GPU(s): every rank trains on "
+              f"the CPU (gloo). Start at most {gpus} (torchrun --nproc_per_node={gpus}) to "
+              "train on the GPUs.", flush=True)
+    return torch.device("cpu")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
@@ -87,14 +105,11 @@ def main() -> None:
     if args.steps < 2:
         parser.error(f"--steps {args.steps}: use at least 2 (a checkpoint is saved halfway)")
 
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank = dist.get_rank()
-    if cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    device = pick_device()
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank = dist.get_rank()
     half = args.steps // 2
     try:
         model, optimizer = build(device)

@@ -95,6 +95,7 @@ from .quant_maps import (
     enc_size,
     encode_tables,
 )
+from .loops import kernel_range
 
 
 # Columns of the per-tensor metadata table (int64).
@@ -154,6 +155,8 @@ _K_GOLDEN32 = tl.constexpr(GOLDEN32)
 _K_TILE_BITS = tl.constexpr(TILE_BITS)
 _K_TILE_MASK = tl.constexpr((1 << TILE_BITS) - 1)
 _K_ENC_ROW = tl.constexpr(ENC_ROW)
+# The iterator of the tile loop, whose bounds are run-time values (kernels/loops.py).
+_range = kernel_range()
 # Encode windows of at most this many buckets are held as int32 words (in shared memory,
 # and in the launch's table image): their reads then need no byte extraction.
 ENC_WORDS_MAX = 256
@@ -795,7 +798,9 @@ def _adamw_lowbit_kernel(
     etab_v = enc_tables_ptr + V_CODEC * _K_ENC_ROW
     if SMEM_WORDS > 0:
         _smem_tables_store(smem_image_ptr, SMEM_WORDS)
-    for t in range(t0, t_end):
+    # _range: compiled, the loop range(t0, t_end) gives; it also runs under the
+    # interpreter of every supported Triton (kernels/loops.py).
+    for t in _range(t0, t_end):
         _step_tile(tiles_ptr, t, meta_ptr, grad_offsets_ptr, tab_m, tab_v, etab_m, etab_v,
                    p_base, g_base, m_base, v_base, ms_base, vs_base, x_base,
                    step_size, decay, inv_sqrt_bc2, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,

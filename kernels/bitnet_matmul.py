@@ -46,12 +46,17 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .bitnet_launch import FastKernel, arg_key, record_launch
 from .bitnet_launch import cdiv as _cdiv
+from .loops import kernel_range
 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Triton fixes interpretation when a kernel is defined (module import), so read it once.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # 127 * 127 * K < 2**31  <=>  K < 133 144
 MAX_K = (2**31 - 1) // (127 * 127)
+# The iterator of loops with run-time bounds (K, the tile count): compiled, tl.range (the
+# loop Python's range gives, without options); it also runs under the interpreter of
+# every supported Triton (kernels/loops.py).
+_range = kernel_range()
 
 
 def _set_tma_blocks(nargs):
@@ -194,7 +199,7 @@ def _int8_matmul_kernel(
     a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + rows_b[None, :] * stride_bn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in _range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=k_ok[None, :], other=0)
         b = tl.load(b_ptrs, mask=k_ok[:, None], other=0)
@@ -212,7 +217,7 @@ def _tma_tile(tile, a_desc, b_desc, o_desc, a_scale_ptr, b_scale, out_ptr, M, N,
     """One output tile of the TMA kernel: the K loop, then the scaled epilogue."""
     pid_m, pid_n = _tile_of(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in _range(0, K, BLOCK_K):
         a = a_desc.load([pid_m * BLOCK_M, k0])
         b = b_desc.load([pid_n * BLOCK_N, k0])
         acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
@@ -244,7 +249,7 @@ def _tma_program(a_desc, b_desc, o_desc, a_scale_ptr, b_scale_ptr, out_ptr, M, N
                   M, N, K, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_N, STORE_TMA)
     else:
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
+        for tile in _range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
             _tma_tile(tile, a_desc, b_desc, o_desc, a_scale_ptr, b_scale, out_ptr,
                       M, N, K, stride_om, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_N, STORE_TMA)
 

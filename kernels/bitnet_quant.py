@@ -41,6 +41,7 @@ import triton.language as tl
 
 from .bitnet_launch import FastKernel, record_launch
 from .bitnet_launch import cdiv as _cdiv
+from .loops import kernel_range
 
 EPS = 1e-5
 QMAX = 127
@@ -48,6 +49,9 @@ SUPPORTED_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Largest row held in registers at once by the activation quantizer; longer rows take
 # two passes over the row (the second one mostly hits L2).
 MAX_SINGLE_PASS_COLS = 16384
+# The iterator of loops with run-time bounds (K): compiled, the loop Python's range
+# gives; it also runs under the interpreter of every supported Triton (kernels/loops.py).
+_range = kernel_range()
 
 
 def check_float_input(name: str, t: torch.Tensor) -> None:
@@ -170,13 +174,13 @@ def _quantize_rows_kernel(
             amax = tl.load(amax_ptr + rows, mask=row_ok, other=0.0)
         else:
             amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
+            for k0 in _range(0, K, BLOCK_K):
                 mask = row_ok[:, None] & ((k0 + cols)[None, :] < K)
                 x = tl.load(x_row + (k0 + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
                 amax = _max_nan(amax, tl.reduce(tl.abs(x), 1, _max_nan))
         scale = tl.math.div_rn(_max_nan(amax, EPS_C), tl.full(amax.shape, QMAX_C, tl.float32))
         recip = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), scale)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in _range(0, K, BLOCK_K):
             mask = row_ok[:, None] & ((k0 + cols)[None, :] < K)
             x = tl.load(x_row + (k0 + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
             q = tl.minimum(tl.maximum(tl.floor(x * recip[:, None] + 0.5), -QMAX_C), QMAX_C)

@@ -1,8 +1,7 @@
 """Shared test helpers: the repository root and a runner for scripts/train.sh.
 
-Without a GPU every Triton kernel runs under Triton's interpreter: TRITON_INTERPRET=1 is
-set here, before any test module imports triton (Triton fixes a kernel's mode when the
-kernel is defined).
+Whether Triton's interpreter runs the kernels is decided here, once per session, before
+any test module imports triton (INTERPRET below).
 """
 
 import atexit
@@ -30,8 +29,15 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+# Triton fixes whether the interpreter runs a kernel when it decorates the kernel (at
+# import), so the choice is made in this one place, for the session and every process it
+# starts; a test module that changed it later would leave kernels of both kinds in one
+# process. Without a GPU the interpreter is the only way a kernel runs (on CPU tensors);
+# with one the kernels are compiled, unless TRITON_INTERPRET=1 asks for the interpreter.
+# Test modules read INTERPRET and never set TRITON_INTERPRET for this process.
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ["TRITON_INTERPRET"] = "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = ROOT / "train_configs" / "llama3_debug.toml"

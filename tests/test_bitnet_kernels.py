@@ -1,31 +1,18 @@
 """BitNet kernels against their pure-PyTorch references.
 
 On a CPU-only machine the Triton kernels run under TRITON_INTERPRET=1 on small ragged
-shapes; with TRITON_INTERPRET=0 and a GPU the same comparisons run on CUDA with larger
+shapes; on a GPU, compiled (conftest.py chooses), the same comparisons run on CUDA with larger
 shapes. Every check draws fresh random inputs.
 """
 
-import os
-import subprocess
-import sys
+import pytest
+import torch
 
-# Triton fixes interpretation when it is first imported (its own library functions are
-# decorated then). If an earlier test module imported it without TRITON_INTERPRET on a
-# machine without a GPU, this module reruns itself in a fresh process instead.
-_RERUN = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-os.environ.setdefault("TRITON_INTERPRET", "1")
+from conftest import INTERPRET  # without a GPU always on
+from titan_lowbit.kernels import bitnet_matmul as mm
+from titan_lowbit.kernels import bitnet_quant as bq
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from titan_lowbit.kernels import bitnet_matmul as mm  # noqa: E402
-from titan_lowbit.kernels import bitnet_quant as bq  # noqa: E402
-
-INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
-_RERUN = _RERUN and not torch.cuda.is_available()
-DEVICE = "cuda" if (not INTERPRET and torch.cuda.is_available()) else "cpu"
-if DEVICE == "cpu" and not INTERPRET:
-    pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+DEVICE = "cpu" if INTERPRET else "cuda"
 
 # (rows, cols): ragged, a single element, odd columns, rows longer than one tile.
 ROW_SHAPES = [(1, 1), (7, 37), (33, 130), (5, 301), (9, 1037)]  # the last: several ragged tiles
@@ -666,19 +653,3 @@ def _assert_same_but_for_the_weight_scale(a, b):
     equal and the whole tensor agrees within 0.5% in norm (a wrong kernel is off by O(1))."""
     assert (a != b).float().mean() < 0.01
     assert ((a.double() - b.double()).norm() / b.double().norm()).item() < 5e-3
-
-
-def test_kernels_in_a_fresh_interpreter_process():
-    """Stands for every test above when Triton was imported before the interpreter was on."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-
-
-if _RERUN:
-    for _name in [n for n in list(globals()) if n.startswith("test_")]:
-        if _name != "test_kernels_in_a_fresh_interpreter_process":
-            del globals()[_name]
-else:
-    del test_kernels_in_a_fresh_interpreter_process

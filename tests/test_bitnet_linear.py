@@ -1,24 +1,20 @@
 """BitNet linear layers and converters on one process (CPU: the reference kernels)."""
 
-import os
+from types import SimpleNamespace
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
+import torch.nn as nn
 
-from types import SimpleNamespace  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-
-from titan_lowbit.bitnet import (  # noqa: E402
+from titan_lowbit.bitnet import (
     CONVERTERS,
     BitNetTrainingWeight,
     convert_to_bitnet,
     insert_subln,
 )
-from titan_lowbit.bitnet import ops  # noqa: E402
-from titan_lowbit.config import LowBit  # noqa: E402
-from titan_lowbit.kernels import bitnet_quant as bq  # noqa: E402
+from titan_lowbit.bitnet import ops
+from titan_lowbit.config import LowBit
+from titan_lowbit.kernels import bitnet_quant as bq
 
 
 def _job(**lowbit):

@@ -13,34 +13,48 @@ import sys
 import pytest
 import torch
 
+from conftest import INTERPRET
+from titan_lowbit.kernels import adamw_lowbit as K
+from titan_lowbit.kernels import adamw_lowbit_ref as R
+from titan_lowbit.kernels import quant_maps as Q
+
 CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-from titan_lowbit.kernels import adamw_lowbit as K  # noqa: E402
-from titan_lowbit.kernels import adamw_lowbit_ref as R  # noqa: E402
-from titan_lowbit.kernels import quant_maps as Q  # noqa: E402
-
-# Triton decides at decoration time whether a kernel is interpreted. If another module of
-# this pytest process imported the kernels before TRITON_INTERPRET was set, this module's
-# tests run in a fresh process instead (test_in_fresh_process), and skip here.
-NOT_INTERPRETED = not CUDA and not K.interpreting()
-
-
-@pytest.fixture(autouse=True)
-def _needs_interpreter(request):
-    if NOT_INTERPRETED and request.node.name != "test_in_fresh_process":
-        pytest.skip("kernels were imported before TRITON_INTERPRET=1; see test_in_fresh_process")
-
-
-@pytest.mark.skipif(not NOT_INTERPRETED, reason="the kernels run in this process")
-def test_in_fresh_process():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-
 DEV = "cuda" if CUDA else "cpu"
+
+
+def test_every_kernel_runs_as_the_session_chose():
+    """conftest.py chooses once whether the interpreter runs the kernels: every kernel
+    module, whichever test file imported it first, and a kernel defined in a test agree
+    (an interpreted kernel cannot call a compiled one, nor the other way round)."""
+    import triton
+
+    from titan_lowbit.kernels import bitnet_matmul, bitnet_quant
+
+    @triton.jit
+    def defined_here():
+        pass
+
+    kinds = {name: type(fn).__name__ for name, fn in (
+        ("adamw_lowbit", K._adamw_lowbit_kernel), ("bitnet_quant", bitnet_quant._quantize_rows_kernel),
+        ("bitnet_matmul", bitnet_matmul._int8_matmul_kernel.fn), ("this test", defined_here))}
+    want = "InterpretedFunction" if INTERPRET else "JITFunction"
+    assert set(kinds.values()) == {want}, kinds
+    assert K.interpreting() == INTERPRET and bitnet_matmul.INTERPRET == INTERPRET
+
+
+def test_loops_with_run_time_bounds_iterate_as_range():
+    """kernels/loops.py: compiled, the kernels' loops are tl.range (the loop Python's
+    range gives); interpreted, a generator with range's iterations (ints here; the
+    interpreter's one-element scalars in a kernel, where the kernel tests cover it)."""
+    import triton.language as tl
+
+    from titan_lowbit.kernels import bitnet_matmul, bitnet_quant, loops
+
+    iterate = loops.kernel_range()
+    assert (iterate is tl.range) == (not INTERPRET)
+    assert K._range is bitnet_quant._range is bitnet_matmul._range is iterate
+    for args in ((0,), (5,), (0, 5), (3, 10, 4), (2, 2), (7, 3), (1, 130, 32)):
+        assert list(loops._interpreted_range(*args, flatten=True)) == list(range(*args)), args
 
 FORMATS = {  # name: (m codec, v codec, block)
     "8bit": (Q.CODEC_DYN8_SIGNED, Q.CODEC_DYN8_UNSIGNED, 256),

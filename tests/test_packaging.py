@@ -7,6 +7,7 @@ import os
 import re
 import shlex
 import shutil
+import site as python_site
 import subprocess
 import sys
 from pathlib import Path
@@ -85,21 +86,48 @@ def _run(cmd, **kwargs) -> subprocess.CompletedProcess:
 def test_non_editable_install_trains_readme_job_from_an_empty_directory(tmp_path):
     try:
         _install_prepare_and_train(tmp_path, readme_job())
-    finally:  # the environment, corpus and outputs: tens of MB, not kept for later runs
+    finally:  # everything the test and its processes wrote (the environment, corpus,
+        # outputs, temporary files), not kept for later runs, even on failure
         shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def running_site_packages() -> list[str]:
+    """The site-packages folders of the running environment (a virtual environment's own,
+    and those it shares), where its torch, triton and torchtitan are."""
+    folders = python_site.getsitepackages()
+    if python_site.ENABLE_USER_SITE:
+        folders.append(python_site.getusersitepackages())
+    return [folder for folder in folders if os.path.isdir(folder)]
+
+
+def _new_venv_seeing_this_one(venv: Path) -> str:
+    """A virtual environment at ``venv`` that imports the running environment's packages
+    (after its own); its python. ``--system-site-packages`` would show the packages of the
+    base Python instead, which has no torch when the tests run in a virtual environment.
+    The folders are listed in a .pth file, so Python adds them to the path without reading
+    their own .pth files: a titan_lowbit installed there in editable mode stays out."""
+    _run([sys.executable, "-m", "venv", str(venv)])
+    python = str(venv / "bin" / "python")
+    site_dir = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]
+                         ).stdout.strip())
+    (site_dir / "running_environment.pth").write_text("\n".join(running_site_packages()) + "\n")
+    return python
 
 
 def _install_prepare_and_train(tmp_path: Path, job_text: str) -> None:
     top_before = {p.name for p in ROOT.iterdir()}
-    venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)])
-    python = str(venv / "bin" / "python")
-    # A user's environment: no PYTHONPATH into a clone, no test settings, an empty cache.
+    python = _new_venv_seeing_this_one(tmp_path / "venv")
+    # A user's environment: no PYTHONPATH into a clone, no test settings, an empty cache;
+    # temporary files (pip's builds, torchrun's and Inductor's) in tmp_path.
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "TITAN_LOWBIT_DATA", "TITAN_LOWBIT_DEVICE",
                         "TRITON_INTERPRET", "OMP_NUM_THREADS")}
     env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
-    # torch and torchtitan come from the system; titan_lowbit is built and copied in.
+    env["TMPDIR"] = str(tmp_path / "tmp")
+    (tmp_path / "tmp").mkdir()
+    # torch and torchtitan come from the running environment; titan_lowbit is built and
+    # copied in.
+    _run([python, "-c", "import torch, torchtitan, triton"], env=env)
     _run([python, "-m", "pip", "install", "--no-deps", "--quiet", str(ROOT)], env=env)
     assert {p.name for p in ROOT.iterdir()} == top_before, "the install left files in the tree"
     site = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],

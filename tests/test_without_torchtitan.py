@@ -5,10 +5,13 @@ checkpoint on 2 gloo processes. In each case torchtitan is made unimportable: a
 ``torchtitan`` package first on PYTHONPATH records every attempt to import it and
 raises ImportError."""
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 from conftest import ROOT, run_once_more_after_teardown_abort
 
@@ -97,3 +100,36 @@ def test_fsdp2_example_trains_and_resumes_from_dcp_without_torchtitan(tmp_path):
     assert finished in proc.stdout, proc.stdout[-3000:]
     assert not (tmp_path / "torchtitan_imports.log").exists()
     assert (checkpoint / ".metadata").exists()
+
+
+def _example_module():
+    spec = importlib.util.spec_from_file_location("fsdp2_lowbit_example",
+                                                  ROOT / "examples" / "fsdp2_lowbit.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("gpus,local_ranks,expected", [
+    (0, 2, ["cpu", "cpu"]),
+    (1, 2, ["cpu", "cpu"]),      # a GPU for one rank only: no rank takes it
+    (2, 2, ["cuda:0", "cuda:1"]),
+    (4, 2, ["cuda:0", "cuda:1"]),
+])
+def test_fsdp2_example_takes_the_gpus_only_when_every_local_rank_has_one(
+        monkeypatch, capsys, gpus, local_ranks, expected):
+    """examples/fsdp2_lowbit.py on a host with fewer GPUs than processes (2 processes on
+    a 1-GPU host asked CUDA for a device that does not exist) trains on the CPU and says
+    why on its first local rank, naming the process count that would use the GPUs."""
+    example = _example_module()
+    monkeypatch.setattr(example.torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(example.torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
+    for local_rank, device in enumerate(expected):
+        monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+        assert str(example.pick_device()) == device
+        said = capsys.readouterr().out
+        if 0 < gpus < local_ranks and local_rank == 0:
+            assert f"but {gpus} GPU(s)" in said and f"--nproc_per_node={gpus}" in said, said
+        else:
+            assert said == ""
