@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from titan_lowbit.optim import LowBitAdamW
@@ -34,10 +35,13 @@ def build(device: torch.device) -> tuple[nn.Module, LowBitAdamW]:
     ``min_quantized_numel`` elements (the biases) keep fp32 states."""
     torch.manual_seed(0)  # the same initial weights on every rank, and in every build
     model = nn.Sequential(nn.Linear(WIDTH, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, WIDTH)).to(device)
+    # The mesh on the device the ranks train on (fully_shard's default mesh takes CUDA
+    # whenever it exists).
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     # Named parameters: the optimizer's errors then name the parameter.
     optimizer = LowBitAdamW(model.named_parameters(), lr=3e-3, weight_decay=0.01,
                             state_format="8bit")
