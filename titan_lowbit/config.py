@@ -73,6 +73,14 @@ class LowBit:
     before each step (one more read of them and a host sync) and skips the whole step,
     counting it in the logs."""
 
+    convert_optimizer_states: bool = False
+    """Resume a checkpoint whose optimizer states have another layout than this run's
+    ([optimizer] name's state format, or torch's Adam/AdamW; block_size, weight_update,
+    min_quantized_numel) by converting them: dequantized to fp32 and requantized into this
+    run's format, master weights or remainders built from the checkpoint's master or
+    weights; one log line per setting that changed. Off, such a resume stops naming the
+    settings (the states would otherwise load as garbage or not at all). Adam* against
+    AdamW* and the parameter dtype are not converted."""
     # Every bitnet_* key configures converter "bitnet": set to a value other than its
     # default without that converter, it is refused at start-up (check_bitnet_keys).
     bitnet_filter: list[str] = field(default_factory=lambda: list(BITNET_DEFAULTS["bitnet_filter"]))

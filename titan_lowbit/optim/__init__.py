@@ -5,6 +5,7 @@
 """
 
 from .adamw import LowBitAdamW
+from .convert import convert_state_dict
 from .formats import STATE_FORMATS, StateFormat
 
 OPTIMIZERS: dict[str, dict] = {
@@ -19,4 +20,4 @@ OPTIMIZERS: dict[str, dict] = {
     "Adam": dict(state_format="fp32", decoupled_weight_decay=False),
 }
 
-__all__ = ["LowBitAdamW", "OPTIMIZERS", "STATE_FORMATS", "StateFormat"]
+__all__ = ["LowBitAdamW", "OPTIMIZERS", "STATE_FORMATS", "StateFormat", "convert_state_dict"]

@@ -30,7 +30,7 @@ from titan_lowbit.kernels.adamw_lowbit import MAX_TENSORS_PER_LAUNCH, FusedAdamW
 from titan_lowbit.kernels.adamw_lowbit_ref import adamw_step_reference
 from titan_lowbit.kernels.quant_maps import is_block_size, tensor_key
 
-from .formats import SMALL_TENSOR_FORMAT, STATE_FORMATS, StateFormat, block_of
+from .formats import STATE_FORMATS, StateFormat, block_of, param_format
 from .nonfinite import DeferredNonfiniteCheck, describe, precheck_launch, precheck_result
 from .second_moment import restore_second_moments
 from .state_dict import (
@@ -58,6 +58,10 @@ FIXED_OPTIONS = ("state_format", "block_size", "weight_update", "min_quantized_n
 # so that torch.save and torch.distributed.checkpoint (which saves group keys, not extra
 # attributes) carry it.
 SKIPPED = "skipped_steps"
+# The FIXED_OPTIONS titan_lowbit.optim.convert_state_dict converts between (the layout of
+# the states), and the call the refusals name for it.
+CONVERTIBLE_OPTIONS = ("state_format", "block_size", "weight_update", "min_quantized_numel")
+CONVERT_CALL = "optimizer.load_state_dict(titan_lowbit.optim.convert_state_dict(state_dict, to=optimizer))"
 
 
 def _fixed_value(group: dict[str, Any], key: str) -> Any:
@@ -333,10 +337,7 @@ class LowBitAdamW(torch.optim.Optimizer):
 
     def _format(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[StateFormat, int]:
         """The effective state format and block size of a parameter."""
-        fmt = STATE_FORMATS[group["state_format"]]
-        if fmt.quantized and (p.numel() < group["min_quantized_numel"] or p.dim() == 0):
-            fmt = SMALL_TENSOR_FORMAT
-        return fmt, block_of(fmt.name, group["block_size"])
+        return param_format(p, group)
 
     def _check_param(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         name = self._name(p)
@@ -485,15 +486,18 @@ class LowBitAdamW(torch.optim.Optimizer):
             missing = [k for k in self.defaults if k not in s and k not in TORCH_FLAGS]
             if missing:
                 raise ValueError(f"param group {gi} of the state dict has no {missing}: it was not saved by "
-                                 "LowBitAdamW (torch.optim.AdamW's?). Load a LowBitAdamW state dict, or start "
-                                 "the optimizer state afresh (load the model weights only)")
+                                 "LowBitAdamW (torch.optim.AdamW's?). Load a LowBitAdamW state dict, start "
+                                 "the optimizer state afresh (load the model weights only), or convert a "
+                                 f"torch Adam/AdamW state dict explicitly: {CONVERT_CALL}")
             s = with_torch_defaults(s)
             for k in FIXED_OPTIONS:
                 if _fixed_value(s, k) != _fixed_value(g, k):
                     raise ValueError(
                         f"{self._group_desc(gi)}: the state dict was saved with {k}={s[k]!r}, this optimizer "
                         f"was built with {k}={g[k]!r} (torch would silently go on with the saved one). Build "
-                        f"the optimizer with {k}={s[k]!r} to resume it, or start the optimizer state afresh")
+                        f"the optimizer with {k}={s[k]!r} to resume it, or start the optimizer state afresh"
+                        + (f", or convert the states into this optimizer's layout: {CONVERT_CALL}"
+                           if k in CONVERTIBLE_OPTIONS else ""))
             self._check_group({**g, **s}, f"param group {gi} of the state dict")
         known = {i for g in saved for i in g["params"]}
         unknown = [k for k in state_dict["state"] if k not in known]

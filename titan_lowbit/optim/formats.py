@@ -96,3 +96,14 @@ def block_of(state_format: str, block_size: int) -> int:
 # Tensors smaller than the group's ``min_quantized_numel`` keep this format (as bitsandbytes
 # and torchao do: the scales would cost more than they save, and norms/biases are sensitive).
 SMALL_TENSOR_FORMAT = STATE_FORMATS["fp32"]
+
+
+def param_format(p: torch.Tensor, group: dict) -> tuple[StateFormat, int]:
+    """(state format, block) of parameter ``p`` in a param group with ``state_format``,
+    ``block_size`` and ``min_quantized_numel``: small and 0-d parameters keep
+    SMALL_TENSOR_FORMAT. The rule LowBitAdamW steps and stores by, and that a state
+    conversion reads a saved group's states by."""
+    fmt = STATE_FORMATS[group["state_format"]]
+    if fmt.quantized and (p.numel() < group["min_quantized_numel"] or p.dim() == 0):
+        fmt = SMALL_TENSOR_FORMAT
+    return fmt, block_of(fmt.name, group["block_size"])

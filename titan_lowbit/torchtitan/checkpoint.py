@@ -31,7 +31,9 @@ Loading. Before torchtitan's ``CheckpointManager.dcp_load`` reads anything:
   states: a BitNet weight's entry is its plain latent weight, so nothing else tells the
   two apart; a model-only initial load may change the converters). These raise
   :class:`CheckpointMismatch` naming the setting to change; they never advise moving or
-  deleting the checkpoint, which is fine for the configuration that wrote it;
+  deleting the checkpoint, which is fine for the configuration that wrote it. With
+  ``[lowbit] convert_optimizer_states = true`` another optimizer layout is converted
+  instead (:mod:`titan_lowbit.torchtitan.checkpoint_convert`), one log line per change;
 - an error from DCP's own load (after the checks above passed) is re-raised with the step
   folder: as a :class:`CheckpointMismatch` naming the setting where it is recognized (the
   data loader's dp degree, LowBitAdamW's own load checks, model shapes or names), else as
@@ -77,6 +79,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from titan_lowbit.bitnet.weight import local_training_weight
 from titan_lowbit.compat import private_api_ok
 from titan_lowbit.optim.formats import STATE_FORMATS, block_of
+from titan_lowbit.torchtitan.checkpoint_convert import conversion_requested, load_converted
 from titan_lowbit.torchtitan.checkpoint_manifest import (
     MANIFEST,
     ManifestUnreadable,
@@ -182,18 +185,30 @@ def _as_setting(option: str, value: Any) -> str:
     return f"{option} = {shown} (--{section}.{key} {value})"
 
 
-def _layout_problem(saved: dict[str, Any], have: dict[str, Any]) -> str:
+def _convertible(saved: dict[str, Any], have: dict[str, Any]) -> bool:
+    """Whether ``[lowbit] convert_optimizer_states`` can take the checkpoint's optimizer
+    layout ``saved`` into ``have``: any state format, block size, update rule and threshold,
+    torch's or titan_lowbit's, but not Adam* into AdamW* (another update, not a layout)."""
+    return all(saved.get(k) == have.get(k) for k in NAME_KEYS)
+
+
+def _layout_problem(saved: dict[str, Any], have: dict[str, Any], convert: bool = False) -> str:
     want, now = _settings(saved), _settings(have)
     changed = [option for option, value in want.items() if now.get(option) != value]
     text = f"optimizer layout: checkpoint {_describe(saved)}; this run {_describe(have)}. "
     if saved.get("decoupled_weight_decay") != have.get("decoupled_weight_decay"):
         text += ("decoupled_weight_decay is set by [optimizer] name: AdamW* names decouple weight "
-                 "decay, Adam* names add it to the gradient. ")
+                 "decay, Adam* names add it to the gradient"
+                 + ("; [lowbit] convert_optimizer_states converts the states' format, not the "
+                    "update. " if convert else ". "))
     return text + (
         "Resume with the settings the checkpoint was written with: "
         + "; ".join(_as_setting(option, want[option]) for option in changed)
         + ". Or start the optimizer state afresh with --checkpoint.exclude_from_loading optimizer "
-        "(the model, schedule and step still resume), or train into a new job.dump_folder."
+        "(the model, schedule and step still resume), or train into a new job.dump_folder"
+        + ("." if convert or not _convertible(saved, have) else
+           ", or convert the checkpoint's states into this run's layout with [lowbit] "
+           "convert_optimizer_states = true (--lowbit.convert_optimizer_states).")
     )
 
 
@@ -296,11 +311,14 @@ def _conversion_problem(checkpoint_id: str, keys, model_parts) -> str | None:
 
 
 def check_compatible(state_dict: dict[str, Any], checkpoint_id: str, metadata=None,
-                     model_parts=None) -> None:
+                     model_parts=None, convert: bool = False):
     """Raise CheckpointMismatch when the checkpoint at ``checkpoint_id`` cannot resume
     ``state_dict`` (the run's states) as it is: another optimizer layout, other parameter
     dtypes, another data-parallel degree, states the run loads and it lacks, or (a resume,
-    with ``model_parts`` given) another BitNet conversion of the model."""
+    with ``model_parts`` given) another BitNet conversion of the model. With ``convert``
+    (``[lowbit] convert_optimizer_states``) another optimizer layout is no problem but a
+    conversion: returned as (the checkpoint's layout, the run's); None when there is none."""
+    converted = None
     if metadata is None:
         metadata = FileSystemReader(checkpoint_id).read_metadata()
     keys = metadata.state_dict_metadata
@@ -322,7 +340,10 @@ def check_compatible(state_dict: dict[str, Any], checkpoint_id: str, metadata=No
                     saved.pop(key, None)
                     have.pop(key, None)
             if _acting(have) != _acting(saved):
-                problems.append(_layout_problem(saved, have))
+                if convert and _convertible(saved, have):
+                    converted = (_acting(saved), _acting(have))
+                else:
+                    problems.append(_layout_problem(saved, have, convert))
     for key, value in state_dict.items():
         saved_meta = keys.get(key)
         if isinstance(value, torch.Tensor) and isinstance(saved_meta, TensorStorageMetadata):
@@ -333,7 +354,7 @@ def check_compatible(state_dict: dict[str, Any], checkpoint_id: str, metadata=No
                     "the checkpoint was written."
                 )
                 break  # one parameter says it; the rest would repeat it
-    if optimizers is not None and not problems:
+    if optimizers is not None and not problems and converted is None:  # converted: its own keys
         wanted = {f"optimizer.{key}" for key in optimizers.state_dict()}
         missing = sorted(wanted - set(keys))
         if missing:
@@ -351,6 +372,7 @@ def check_compatible(state_dict: dict[str, Any], checkpoint_id: str, metadata=No
         raise CheckpointMismatch(
             f"checkpoint {checkpoint_id} does not match this run:\n  " + "\n  ".join(problems)
         )
+    return converted
 
 
 def _root_causes(err: BaseException) -> list[tuple[BaseException, list]]:
@@ -726,7 +748,7 @@ def register() -> None:
     (titan_lowbit/compat.py); otherwise torchtitan checkpoints as it does by itself."""
     if not private_api_ok("torchtitan"):
         return
-    from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
+    from torchtitan.components.checkpoint import MODEL, OPTIMIZER, AsyncMode, CheckpointManager
     from torchtitan.tools.logging import logger
 
     original_load = CheckpointManager.dcp_load
@@ -740,9 +762,18 @@ def register() -> None:
             return original_load(self, state_dict, checkpoint_id, from_hf, from_quantized)
         metadata = read_metadata(checkpoint_id)
         verify(checkpoint_id, metadata)
-        check_compatible(state_dict, checkpoint_id, metadata, self.states[MODEL].model)
+        conversion = check_compatible(state_dict, checkpoint_id, metadata, self.states[MODEL].model,
+                                      convert=conversion_requested(self))
         try:
-            return original_load(self, state_dict, checkpoint_id, from_hf, from_quantized)
+            if conversion is None:
+                return original_load(self, state_dict, checkpoint_id, from_hf, from_quantized)
+            # The model first: the conversion builds master weights from the loaded weights.
+            rest = {k: v for k, v in state_dict.items() if k != OPTIMIZER}
+            result = original_load(self, rest, checkpoint_id, from_hf, from_quantized)
+            for line in load_converted(state_dict[OPTIMIZER], checkpoint_id, *conversion):
+                logger.info(f"titan_lowbit: checkpoint {checkpoint_id}: optimizer states converted "
+                            f"([lowbit] convert_optimizer_states): {line}")
+            return result
         except (Exception, CheckpointException) as err:  # CheckpointException: BaseException
             crc = os.environ.get(VERIFY_ENV, "crc").lower() != "size"
             raise load_failure(checkpoint_id, err, crc) from err

@@ -1,0 +1,183 @@
+"""Optimizer states converted between layouts on request, never silently.
+
+``titan_lowbit.optim.convert_state_dict`` (any loop) and ``[lowbit]
+convert_optimizer_states`` (torchtitan 0.2 line) take a state dict or checkpoint of one
+layout (torch's Adam/AdamW, or LowBitAdamW with another state format, block size, BF16
+update rule or threshold) into another: each moment is dequantized to fp32 and quantized
+once in the new format, the step kept, master weights taken from the source's. Without
+them, a state of another layout is refused, naming the way to convert it.
+"""
+
+import pytest
+import torch
+
+from conftest import SAVE_STEP, resume_folder, run_train, step_losses
+from test_checkpoint_safety import stopped_run
+from titan_lowbit.kernels.adamw_lowbit_ref import master_rebuild
+from titan_lowbit.optim import LowBitAdamW, convert_state_dict
+
+SHAPES = ((64, 300), (16,))  # a quantized weight (rows of 300: a short last block), a small one
+NAMES = ("w", "b")
+
+
+def params(dtype=torch.float32) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in SHAPES]
+
+
+def train(optimizer, ps, steps: int = 3, seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        optimizer.step()
+
+
+def lowbit(ps, **kw) -> LowBitAdamW:
+    return LowBitAdamW(list(zip(NAMES, ps)), min_quantized_numel=100, **kw)
+
+
+def moments(optimizer, p) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 moments of ``p`` as ``optimizer`` holds them (through an export to torch's)."""
+    exported = torch.optim.AdamW([q for g in optimizer.param_groups for q in g["params"]])
+    exported.load_state_dict(convert_state_dict(optimizer.state_dict(), to=exported))
+    return exported.state[p]["exp_avg"], exported.state[p]["exp_avg_sq"]
+
+
+def test_torch_adamw_state_into_8bit_and_back_is_one_quantization_of_each_moment():
+    ps = params()
+    torch_adamw = torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
+    train(torch_adamw, ps)
+    saved = torch_adamw.state_dict()
+
+    eight = lowbit(ps, lr=1e-3, state_format="8bit")
+    with pytest.raises(ValueError, match=r"convert a torch Adam/AdamW state dict explicitly: "
+                                         r"optimizer\.load_state_dict\(titan_lowbit\.optim\.convert_state_dict"):
+        eight.load_state_dict(saved)  # never silently
+    eight.load_state_dict(convert_state_dict(saved, to=eight))
+    group = eight.param_groups[0]
+    assert (group["lr"], group["weight_decay"], group["state_format"]) == (1e-2, 0.1, "8bit")
+    for p in ps:
+        assert float(eight.state[p]["step"]) == 3.0
+        m, v = moments(eight, p)
+        want_m, want_v = torch_adamw.state[p]["exp_avg"], torch_adamw.state[p]["exp_avg_sq"]
+        # 8-bit dynamic tree: within a few percent of each block's absmax (the small
+        # parameter keeps fp32 states: exact)
+        assert (m - want_m).abs().max() <= 0.02 * want_m.abs().max(), p.shape
+        assert (v - want_v).abs().max() <= 0.02 * want_v.abs().max(), p.shape
+        if p.numel() < 100:
+            assert torch.equal(m, want_m) and torch.equal(v, want_v)
+    train(eight, ps, 1)  # the converted state steps
+
+    # Exported back to torch's AdamW: torch's load takes it as its own.
+    again = torch.optim.AdamW(ps, lr=5.0)
+    again.load_state_dict(convert_state_dict(eight.state_dict(), to=again))
+    assert again.param_groups[0]["lr"] == 1e-2 and float(again.state[ps[0]]["step"]) == 4.0
+    train(again, ps, 1)
+
+
+def test_layouts_convert_into_each_other_and_the_same_layout_is_lossless():
+    ps = params()
+    eight = lowbit(ps, state_format="8bit")
+    train(eight, ps)
+    same = lowbit(ps, state_format="8bit", block_size=256)  # block 0 is the default, 256
+    same.load_state_dict(convert_state_dict(eight.state_dict(), to=same))
+    for p in ps:
+        for key, value in eight.state[p].items():
+            assert torch.equal(same.state[p][key], value), key  # dequantized, requantized: the same codes
+    for kw in (dict(state_format="4bit"), dict(state_format="fp8", block_size=64),
+               dict(state_format="fp32"), dict(state_format="8bit", min_quantized_numel=10)):
+        other = LowBitAdamW(list(zip(NAMES, ps)), **{"min_quantized_numel": 100, **kw})
+        with pytest.raises(ValueError, match="or convert the states into this optimizer's layout"):
+            other.load_state_dict(eight.state_dict())
+        other.load_state_dict(convert_state_dict(eight.state_dict(), to=other))
+        m, _ = moments(other, ps[0])
+        want, _ = moments(eight, ps[0])
+        assert (m - want).abs().max() <= 0.15 * want.abs().max(), kw  # 4-bit: coarsest
+        train(other, ps, 1)
+
+
+@pytest.mark.parametrize("source", ["master", "master_remainder", "kahan", "nearest"])
+def test_master_weights_are_carried_or_built_from_the_weights(source):
+    ps = params(torch.bfloat16)
+    before = lowbit(ps, state_format="8bit", weight_update=source)
+    train(before, ps)
+    if source == "master":
+        master = before.state[ps[0]]["master"]
+    elif source == "master_remainder":
+        master = master_rebuild(ps[0].detach(), before.state[ps[0]]["master_remainder"])
+    else:
+        master = ps[0].detach().float() + (before.state[ps[0]]["kahan_comp"].float()
+                                           if source == "kahan" else 0)
+    for target in ("master", "master_remainder", "kahan"):
+        after = lowbit(ps, state_format="4bit", weight_update=target)
+        after.load_state_dict(convert_state_dict(before.state_dict(), to=after))
+        state = after.state[ps[0]]
+        if target == "master":
+            assert torch.equal(state["master"], master)
+        elif target == "master_remainder" and source != "kahan":
+            assert torch.equal(master_rebuild(ps[0].detach(), state["master_remainder"]), master)
+        elif target == "kahan":
+            held = ps[0].detach().float() + state["kahan_comp"].float()
+            assert (held - master).abs().max() <= 2 ** -8 * (master - ps[0].detach().float()).abs().max()
+
+
+def test_conversions_refused_naming_why():
+    ps = params()
+    eight = lowbit(ps)
+    with pytest.raises(ValueError, match=r"param groups of \[2\] parameters, the optimizer to convert into \[1\]"):
+        convert_state_dict(eight.state_dict(), to=lowbit(ps[:1]))
+    torch_amsgrad = torch.optim.AdamW(ps, amsgrad=True)
+    train(torch_amsgrad, ps, 1)
+    with pytest.raises(ValueError, match="param 'w': the state dict holds amsgrad's max_exp_avg_sq"):
+        convert_state_dict(torch_amsgrad.state_dict(), to=eight)
+
+
+def test_torchtitan_resume_converts_on_request_and_continues_without_a_loss_jump(
+        two_process_checkpoint, tmp_path):
+    """The fixture (AdamW4bit, bf16 weights + master) resumed at step SAVE_STEP as
+    AdamW8bit with master_remainder: refused by default, naming the key; converted with
+    it, one log line per change, and steps SAVE_STEP + 1, + 2 close to the unconverted
+    run's (its 4-bit states held the same moments less exactly)."""
+    dump, full, overrides = two_process_checkpoint
+    change = ("--optimizer.name", "AdamW8bit", "--lowbit.weight_update", "master_remainder",
+              "--training.steps", str(SAVE_STEP + 2))
+    out = stopped_run(*overrides, "--job.dump_folder", str(resume_folder(tmp_path / "plain",
+                                                                       dump / "checkpoint")), *change)
+    assert "--lowbit.convert_optimizer_states" in out, out[-3000:]
+
+    resumed = resume_folder(tmp_path / "converted", dump / "checkpoint")
+    proc = run_train(*overrides, "--job.dump_folder", str(resumed), *change,
+                     "--lowbit.convert_optimizer_states")
+    lines = [line for line in proc.stdout.splitlines() if "optimizer states converted" in line]
+    assert len(lines) == 3, proc.stdout[-3000:]
+    for text, line in zip(("state_format '4bit' -> '8bit'", "block_size 128 -> 256",
+                           "weight_update 'master' -> 'master_remainder'"), lines):
+        assert text in line, (text, lines)
+    assert_no_loss_jump(step_losses(proc.stdout), full, SAVE_STEP)
+
+
+def assert_no_loss_jump(resumed: dict, full: dict, saved_at: int) -> None:
+    """The first resumed step's loss is the uninterrupted run's (the same weights: it is
+    computed before the first step with converted states); the next is within 1e-3."""
+    assert sorted(resumed) == [saved_at + 1, saved_at + 2], resumed
+    assert resumed[saved_at + 1] == full[saved_at + 1], (resumed, full)
+    assert abs(float(resumed[saved_at + 2]) - float(full[saved_at + 2])) <= 1e-3, (resumed, full)
+
+
+def test_torch_adamw_checkpoint_resumes_as_adamw8bit_on_request(tmp_path, prepared_data):
+    """A run of torch's AdamW (fp32 states) resumed as AdamW8bit: the states are taken
+    into 8 bits, and training continues as the AdamW run does."""
+    overrides = ("--optimizer.name", "AdamW", "--lr_scheduler.total_steps", "8",
+                 "--validation.no-enable", "--checkpoint.enable", "--checkpoint.interval", "2",
+                 "--job.dump_folder", str(tmp_path / "adamw"))
+    full = step_losses(run_train(*overrides, "--training.steps", "4").stdout)
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoint").mkdir(parents=True)
+    (resumed / "checkpoint" / "step-2").symlink_to(tmp_path / "adamw" / "checkpoint" / "step-2")
+    proc = run_train(*overrides, "--job.dump_folder", str(resumed), "--optimizer.name", "AdamW8bit",
+                     "--lowbit.convert_optimizer_states", "--training.steps", "4")
+    [line] = [line for line in proc.stdout.splitlines() if "optimizer states converted" in line]
+    assert "optimizer 'torch Adam/AdamW (fp32 or parameter-dtype moments)' -> 'titan_lowbit' " \
+        "(state_format='8bit', block_size=256, weight_update='nearest', min_quantized_numel=4096)" in line, line
+    assert_no_loss_jump(step_losses(proc.stdout), full, 2)

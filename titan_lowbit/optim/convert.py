@@ -1,0 +1,199 @@
+"""Optimizer states moved into another layout, on request only: :func:`convert_state_dict`.
+
+``LowBitAdamW.load_state_dict`` refuses a state dict saved with another layout (state
+format, block size, BF16 weight update, fp32-state threshold) or by torch's Adam/AdamW:
+loading one as it is would fail or, worse, be cast into garbage state. Moving a run
+between layouts is still a real need (a larger model or batch mid-run, a fine-tune of a
+torch AdamW checkpoint in 8-bit states, fp32 states for a final phase), and it changes
+the states: each moment is quantized once more in the target format. So it is a call of
+its own, never a side effect of a load::
+
+    optimizer.load_state_dict(convert_state_dict(state_dict, to=optimizer))
+
+What it does, per parameter, on each process's local shard (a quantization block never
+spans two rows, and a sharded state holds whole blocks, so the local conversion is the
+global one):
+
+- the moments are dequantized to fp32 with the source's code books and block layout and
+  quantized into the target's, by the kernels' PyTorch reference
+  (``quantize_blockwise`` / ``dequantize_blockwise``: the one definition of both); a
+  plain (fp32/bf16) side is cast. The error is one quantization of each moment in the
+  target format (none into fp32), as after any step;
+- ``step`` is kept, so bias correction and the stochastic-rounding stream continue;
+- the fp32 master weight W of a bf16 parameter comes from the source: its ``master``,
+  rebuilt bit for bit from the weight and its ``master_remainder``, the weight plus its
+  ``kahan_comp``, else the bf16 weight itself. The target holds W as ``master``, as the
+  remainder of W (exact wherever the weight is W rounded, ties away, which is so for
+  either master source; elsewhere, a kahan source, the master is the weight), or as the
+  compensation W - weight rounded to bf16;
+- hyperparameters (lr, initial_lr, betas, eps, weight_decay) come from the source, as a
+  load restores them; the layout options are the target's.
+
+Refused, naming the parameter or group: another number of groups or parameters,
+``amsgrad`` states and ``maximize`` (their moments would need another meaning).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from titan_lowbit.kernels.adamw_lowbit_ref import (
+    bf16_away,
+    bf16_rne,
+    dequantize_blockwise,
+    master_rebuild,
+    master_split,
+    quantize_blockwise,
+)
+
+from .formats import param_format
+
+# Group values a conversion carries over from the source (a load restores them too).
+HYPERPARAMETERS = ("lr", "initial_lr", "betas", "eps", "weight_decay")
+SKIPPED = "skipped_steps"  # LowBitAdamW's count of skipped steps (adamw.SKIPPED)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _rows_cols(local: torch.Tensor) -> tuple[int, int]:
+    """The [rows, cols] view the block layout takes of a (local) parameter."""
+    cols = local.shape[-1] if local.dim() else 1
+    return local.numel() // max(cols, 1), cols
+
+
+def _like(p: torch.Tensor, local: torch.Tensor, global_shape: Optional[tuple] = None) -> torch.Tensor:
+    """``local`` as a state tensor of ``p``: a DTensor placed like ``p`` when ``p`` is one."""
+    if not isinstance(p, DTensor):
+        return local
+    shape = torch.Size(global_shape if global_shape is not None else p.shape)
+    stride = tuple(int(s) for s in torch.empty(shape, device="meta").stride())
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=shape,
+                              stride=stride)
+
+
+def _is_lowbit(group: dict[str, Any]) -> bool:
+    return "state_format" in group
+
+
+def _source_values(name: str, p: torch.Tensor, group: dict[str, Any],
+                   state: dict[str, Any]) -> dict[str, Any]:
+    """{"m", "v": fp32 local moments, "step": float, "master": fp32 local master weight or
+    None} of one parameter's saved ``state`` in the layout of its saved ``group``."""
+    local = _local(p).detach()
+    if not state:  # torch's Adam/AdamW before the parameter's first step
+        zero = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
+        return {"m": zero, "v": zero.clone(), "step": 0.0, "master": None}
+    if "max_exp_avg_sq" in state:
+        raise ValueError(f"param '{name}': the state dict holds amsgrad's max_exp_avg_sq, which a "
+                         "titan_lowbit layout has no place for; convert a state saved without amsgrad")
+    step = state["step"]
+    step = float(_local(step).item() if isinstance(step, torch.Tensor) else step)
+    if not _is_lowbit(group):
+        return {"m": _local(state["exp_avg"]).float(), "v": _local(state["exp_avg_sq"]).float(),
+                "step": step, "master": None}
+    fmt, block = param_format(p, group)
+    if fmt.quantized:
+        rows, cols = _rows_cols(local)
+
+        def moment(prefix: str, codec: int) -> torch.Tensor:
+            codes = _local(state[f"{prefix}_codes"])
+            codes = codes.view(torch.uint8) if codes.dtype != torch.uint8 else codes
+            absmax = _local(state[f"{prefix}_absmax"]).reshape(rows, -1)
+            return dequantize_blockwise(codes.reshape(rows, -1), absmax, codec, block, cols).reshape(local.shape)
+
+        m, v = moment("exp_avg", fmt.m_codec), moment("exp_avg_sq", fmt.v_codec)
+    else:
+        m, v = _local(state["exp_avg"]).float(), _local(state["exp_avg_sq"]).float()
+    update = group["weight_update"] if p.dtype == torch.bfloat16 else "nearest"
+    master = None
+    if update == "master":
+        master = _local(state["master"]).float().clone()
+    elif update == "master_remainder":
+        master = master_rebuild(local, _local(state["master_remainder"]))
+    elif update == "kahan":
+        master = local.float() + _local(state["kahan_comp"]).float()
+    return {"m": m, "v": v, "step": step, "master": master}
+
+
+def _lowbit_state(to, p: torch.Tensor, group: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """One parameter's state in ``to``'s (a LowBitAdamW) layout for ``group``."""
+    local = _local(p).detach()
+    fmt, block = param_format(p, group)
+    out: dict[str, torch.Tensor] = {}
+    if fmt.quantized:
+        rows, cols = _rows_cols(local)
+        for prefix, codec, zero_free in (("exp_avg", fmt.m_codec, False),
+                                         ("exp_avg_sq", fmt.v_codec, True)):
+            x = values["m" if prefix == "exp_avg" else "v"].reshape(rows, cols)
+            codes, absmax = quantize_blockwise(x, codec, block, zero_free=zero_free)
+            out[f"{prefix}_codes"] = codes.view(fmt.code_dtype)
+            out[f"{prefix}_absmax"] = absmax
+    else:
+        out["exp_avg"] = values["m"].to(fmt.plain_dtype)
+        out["exp_avg_sq"] = values["v"].to(fmt.plain_dtype)
+    weight = local.float()
+    master = values["master"] if values["master"] is not None else weight
+    if "master" in (specs := to._state_specs(p, group)):
+        out["master"] = master.clone()
+    elif "master_remainder" in specs:
+        pairs = bf16_away(master).view(torch.int16) == local.view(torch.int16)
+        out["master_remainder"] = master_split(torch.where(pairs, master, weight))[1]
+    elif "kahan_comp" in specs:
+        out["kahan_comp"] = bf16_rne(master - weight)
+    state = {key: _like(p, out[key].reshape(shape).contiguous(), gshape)
+             for key, (shape, _, gshape) in specs.items()}
+    state["step"] = torch.tensor(values["step"])
+    return state
+
+
+def _torch_state(p: torch.Tensor, values: dict[str, Any]) -> dict[str, Any]:
+    """One parameter's state as torch's Adam/AdamW holds it (moments in the parameter's
+    dtype, a float32 step tensor)."""
+    return {"step": torch.tensor(values["step"], dtype=torch.float32),
+            "exp_avg": _like(p, values["m"].to(p.dtype)),
+            "exp_avg_sq": _like(p, values["v"].to(p.dtype))}
+
+
+def convert_state_dict(state_dict: dict[str, Any], to: torch.optim.Optimizer) -> dict[str, Any]:
+    """``state_dict`` (a LowBitAdamW's of any layout, or torch's Adam/AdamW's) as a state
+    dict of optimizer ``to``'s layout for ``to``'s parameters, for ``to.load_state_dict``,
+    which checks it as any other. ``to`` is a LowBitAdamW or torch's Adam/AdamW (export);
+    its parameters are those the state dict was saved for, in the same groups and order,
+    and hold the weights that go with it (they give shapes, shards, and the master weight
+    where the source kept none). Nothing of ``to`` is changed. See the module docstring."""
+    if not (isinstance(state_dict, dict) and "state" in state_dict and "param_groups" in state_dict):
+        raise ValueError("convert_state_dict needs an optimizer state dict with 'state' and 'param_groups'")
+    saved, groups = state_dict["param_groups"], to.param_groups
+    sizes, have = [len(g.get("params", ())) for g in saved], [len(g["params"]) for g in groups]
+    if sizes != have:
+        raise ValueError(f"the state dict has param groups of {sizes} parameters, the optimizer to convert "
+                         f"into {have}: build it with the param groups the state dict was saved with")
+    lowbit_target = _is_lowbit(groups[0]) if groups else False
+    if lowbit_target and not hasattr(to, "_state_specs"):
+        raise TypeError(f"convert_state_dict converts into a LowBitAdamW or torch's Adam/AdamW, not a "
+                        f"{type(to).__name__}")
+    own_groups = to.state_dict()["param_groups"]
+    state: dict[Any, dict[str, Any]] = {}
+    out_groups = []
+    for gi, (src, group, own) in enumerate(zip(saved, groups, own_groups)):
+        for where, g in (("state dict", src), ("optimizer to convert into", group)):
+            if g.get("maximize", False):
+                raise ValueError(f"param group {gi} of the {where} has maximize=True: its first moments "
+                                 "are stored with another sign convention; convert without maximize")
+        names = group.get("param_names") or []
+        for pi, (key, own_key, p) in enumerate(zip(src["params"], own["params"], group["params"])):
+            name = names[pi] if pi < len(names) else getattr(to, "_names", {}).get(
+                p, f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})")
+            values = _source_values(name, p, src, state_dict["state"].get(key) or {})
+            state[own_key] = (_lowbit_state(to, p, group, values) if lowbit_target
+                              else _torch_state(p, values))
+        carried = {k: src[k] for k in HYPERPARAMETERS if k in src}
+        if lowbit_target and _is_lowbit(src):
+            carried[SKIPPED] = src.get(SKIPPED, 0)
+        out_groups.append({**own, **carried})
+    return {"state": state, "param_groups": out_groups}
