@@ -98,3 +98,18 @@ def test_a_misspelt_device_choice_is_refused(machine, monkeypatch):
     monkeypatch.setenv("TITAN_LOWBIT_DEVICE", "gpu")
     with pytest.raises(ValueError, match="TITAN_LOWBIT_DEVICE='gpu'"):
         cpu_device.switch()
+
+
+def test_cpu_path_drops_only_the_warnings_that_are_wrong_there():
+    keep = ["titan_lowbit: torchtitan runs on the CPU path (...)", "step:  1  loss:  7.6",
+            "HF assets path ./x does not exist!"]
+    drop = ["Error running lspci: [Errno 2] No such file or directory: 'lspci', fallback to use device_name",
+            "Peak flops undefined for: CPU (x86_64, 2 cores), fallback to A100",
+            "ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING] = 1 will be overridden to 3 based on job config"]
+    noise = cpu_device.CpuPathNoise()
+
+    def passes(message: str) -> bool:
+        return noise.filter(logging.LogRecord("root", logging.WARNING, __file__, 0, message, None, None))
+
+    assert all(map(passes, keep)) and not any(map(passes, drop))
+

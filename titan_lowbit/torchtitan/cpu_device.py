@@ -23,11 +23,13 @@ a GPU, with the pure-PyTorch reference kernels.
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import platform
 import resource
 import shutil
 import sys
+import warnings
 from types import SimpleNamespace
 
 import torch
@@ -153,13 +155,46 @@ def cpu_reason() -> str | None:
     return "no GPU found: torch.cuda.is_available() is False"
 
 
+# torchtitan's start-up warnings that are wrong on the CPU path, by a fragment of each: the
+# GPU model behind the peak FLOPS (no GPU to look up), the MFU reference (an A100's peak
+# stands in for the CPU's), NCCL's environment variables set on a gloo run.
+CPU_PATH_NOISE = (
+    "Error running lspci",
+    "Peak flops undefined for",
+    "fallback to A100",
+    "TORCH_NCCL_",
+)
+# torch's warning that DTensor's random ops on a CPU mesh "may not have complete support":
+# the CPU path's initialisations are the same draws as the GPU path's (its tests compare
+# them), so the warning tells a CPU user nothing to act on.
+CPU_PATH_WARNINGS = r"DTensor (random operators|manual_seed\(\)) may not have complete support on cpu device mesh"
+
+
+class CpuPathNoise(logging.Filter):
+    """Drops torchtitan's log records that are wrong on the CPU path (CPU_PATH_NOISE)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(fragment in message for fragment in CPU_PATH_NOISE)
+
+
+def quiet() -> None:
+    """Silence, on the CPU path only, the warnings that are wrong there."""
+    root = logging.getLogger()  # torchtitan's logger
+    if not any(isinstance(f, CpuPathNoise) for f in root.filters):
+        root.addFilter(CpuPathNoise())
+    warnings.filterwarnings("ignore", message=CPU_PATH_WARNINGS, category=UserWarning)
+
+
 def switch() -> bool:
     """Move torchtitan to the CPU path when :func:`cpu_reason` says so, saying it in one
-    log line; True when it did."""
+    log line and silencing the warnings that are wrong there (:func:`quiet`); True when
+    it did."""
     reason = cpu_reason()
     if reason is None:
         return False
     enable()
+    quiet()
     from torchtitan.tools.logging import logger
 
     logger.warning(
