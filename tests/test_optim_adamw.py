@@ -677,6 +677,29 @@ def test_container_checks_every_model_part_before_stepping_any(policy):
     assert not any(o.grads_checked for o in opts.optimizers)
 
 
+def test_container_step_hooks_run_once_after_a_plain_container_exists():
+    """torch wraps a container class's step with the step hooks when its first instance is
+    built; titan_lowbit's container must not step through torchtitan's wrapped one (the
+    BitNet scale precompute, a post hook, would run twice)."""
+    from torchtitan.config import Optimizer as OptimizerConfig
+
+    from titan_lowbit.config import LowBit
+    from titan_lowbit.torchtitan.optimizer_builder import build_lowbit_optimizers
+    from torchtitan.components.optimizer import build_optimizers
+
+    build_optimizers([torch.nn.Linear(8, 8)], OptimizerConfig(name="AdamW"), None)
+    parts = [torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)]
+    opts = build_lowbit_optimizers(parts, OptimizerConfig(name="AdamW8bit"), None, lowbit=LowBit(),
+                                   seed=0, base_builder=build_optimizers)
+    calls = []
+    opts.register_step_pre_hook(lambda *args, **kwargs: calls.append("pre"))
+    opts.register_step_post_hook(lambda *args, **kwargs: calls.append("post"))
+    for m in parts:
+        m(torch.randn(4, 64)).square().mean().backward()
+    opts.step()
+    assert calls == ["pre", "post"]
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_a_copied_optimizer_steps_like_the_original(how):
     """torch's Optimizer pickles only defaults, state and param_groups; ours keeps its

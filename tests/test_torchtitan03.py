@@ -175,6 +175,20 @@ def test_refusals_name_the_setting():
         ).build(model_parts=[Tiny()])
 
 
+def test_step_hooks_run_once_per_step_after_a_plain_container_exists():
+    """torch wraps a container class's step with the step hooks when its first instance is
+    built; titan_lowbit's container must not step through torchtitan's wrapped one."""
+    default_adamw().build(model_parts=[Tiny(torch.float32)])  # wraps OptimizersContainer.step
+    model = Tiny()
+    opt = container(model)
+    calls = []
+    opt.register_step_pre_hook(lambda *args, **kwargs: calls.append("pre"))
+    opt.register_step_post_hook(lambda *args, **kwargs: calls.append("post"))
+    model.loss(torch.arange(8)).backward()
+    opt.step()
+    assert calls == ["pre", "post"]
+
+
 def test_nonfinite_skip_skips_every_optimizer_of_the_container():
     model = Tiny()
     opt = container(model, optimizer_factory_kwargs_by_name={"AdamW8bit": {"nonfinite_grad": "skip"}})

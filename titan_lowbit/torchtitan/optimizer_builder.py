@@ -158,7 +158,10 @@ class LowBitOptimizersContainer(OptimizersContainer):
     any (``lowbit_optimizers.settled_step``)."""
 
     def step(self, *args, **kwargs) -> None:
-        settled_step(self.optimizers, lambda: super(LowBitOptimizersContainer, self).step(*args, **kwargs),
+        # Each optimizer's own step, as torchtitan's container steps them; not through
+        # OptimizersContainer.step, which torch may have wrapped with the step hooks too
+        # (once any plain container exists): this container's hooks would run twice.
+        settled_step(self.optimizers, lambda: [opt.step(*args, **kwargs) for opt in self.optimizers],
                      lambda i: f"model part {i}", "model parts")
 
 

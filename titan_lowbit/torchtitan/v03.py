@@ -195,7 +195,10 @@ class LowBitOptimizersContainer(OptimizersContainer):
 
     def step(self, closure=None) -> None:
         assert closure is None, "OptimizersContainer does not support closures"
-        settled_step(self.optimizers, lambda: OptimizersContainer.step(self),
+        # Each optimizer's own step, as torchtitan's container steps them; not through
+        # OptimizersContainer.step, which torch may have wrapped with the step hooks too
+        # (once any plain container exists): this container's hooks would run twice.
+        settled_step(self.optimizers, lambda: [opt.step() for opt in self.optimizers],
                      lambda i: f"optimizer {i} ({type(self.optimizers[i]).__name__})", "optimizers")
 
 
