@@ -246,6 +246,9 @@ def test_bitnet_converter_converts_the_layers_linears_only():
     model.verify_module_protocol()
     with pytest.raises(ValueError, match="match no Linear"):
         model_registry("debugmodel", converters=[v03.BitNetConverter.Config(fqns=["nothing.*"])])
+    with pytest.raises(ValueError, match="int8_backward=True is converted again with int8_backward=False"):
+        model_registry("debugmodel", converters=[v03.BitNetConverter.Config(),
+                                                 v03.BitNetConverter.Config(int8_backward=False)])
 
 
 def _replace_linears(model_config, make):

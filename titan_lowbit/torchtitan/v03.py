@@ -311,6 +311,11 @@ BITNET_FQNS = ["layers.*"]
 def to_bitnet(cfg: Linear.Config, int8_backward: bool = True) -> BitNetLinear.Config:
     """The BitNet linear config in place of a plain ``Linear`` config."""
     if isinstance(cfg, BitNetLinear.Config):
+        if cfg.int8_backward != int8_backward:
+            raise ValueError(
+                f"BitNet: a linear converted with int8_backward={cfg.int8_backward} is converted "
+                f"again with int8_backward={int8_backward}, which would not change it; convert once, "
+                "with the setting wanted")
         return cfg
     if type(cfg) not in (Linear.Config, SubLNLinear.Config):
         raise ValueError(
