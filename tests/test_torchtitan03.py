@@ -29,7 +29,7 @@ if torchtitan_line() != (0, 3):
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from conftest import ROOT, cpu_run_env, run_once_more_after_teardown_abort, step_losses  # noqa: E402
-from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig, default_adamw  # noqa: E402
+from torchtitan.components.optimizer import ParamGroupConfig, default_adamw  # noqa: E402
 from torchtitan.components.optimizer.utils import init_optim_state  # noqa: E402
 
 from titan_lowbit.optim import LowBitAdamW  # noqa: E402

@@ -66,17 +66,13 @@ def _text(sample: dict) -> str:
     return sample["text"]
 
 
+# The corpus' dataset names and the split each reads.
+SPLITS = {"lowbit_text": "train", "lowbit_text_validation": "validation"}
+
+
 def _configs(folder: str) -> dict[str, DatasetConfig]:
-    return {
-        "lowbit_text": DatasetConfig(
-            path=folder, loader=partial(_load_split, split="train"), sample_processor=_text
-        ),
-        "lowbit_text_validation": DatasetConfig(
-            path=folder,
-            loader=partial(_load_split, split="validation"),
-            sample_processor=_text,
-        ),
-    }
+    return {name: DatasetConfig(path=folder, loader=partial(_load_split, split=split), sample_processor=_text)
+            for name, split in SPLITS.items()}
 
 
 DATASET_CONFIGS: dict[str, DatasetConfig] = {}
@@ -126,10 +122,9 @@ def check_corpus(hf_assets_path: str, *dataloaders) -> None:
         if getattr(loader, "enable", True) is False:  # a validator that is off reads nothing
             continue
         loader = getattr(loader, "dataloader", loader)  # a validator holds its data loader
-        name = getattr(loader, "dataset", None)
-        if name not in ("lowbit_text", "lowbit_text_validation"):
+        split = SPLITS.get(getattr(loader, "dataset", None))
+        if split is None:
             continue
-        split = "train" if name == "lowbit_text" else "validation"
         folder = getattr(loader, "dataset_path", None) or str(data_dir())
         data_file = os.path.join(folder, SPLIT_FILES[split])
         if not os.path.isfile(data_file):

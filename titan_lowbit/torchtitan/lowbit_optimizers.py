@@ -13,6 +13,9 @@ from typing import Callable, Iterable
 import torch
 
 FP32_ADAMW_STATE_BYTES = 8.0
+# torch's optimizer names, which torchtitan builds itself on both lines (titan_lowbit steps
+# them only where an option torch's lack asks for LowBitAdamW with fp32 states).
+TORCH_OPTIMIZERS = ("Adam", "AdamW")
 
 
 def is_lowbit(optimizer) -> bool:

@@ -24,6 +24,7 @@ from torchtitan.tools.logging import logger
 from titan_lowbit.config import LowBit, lowbit_of
 from titan_lowbit.torchtitan.lowbit_optimizers import (
     FP32_ADAMW_STATE_BYTES,
+    TORCH_OPTIMIZERS,
     is_lowbit,
     settled_step,
     state_bytes_per_param,
@@ -31,8 +32,6 @@ from titan_lowbit.torchtitan.lowbit_optimizers import (
 
 # titan_lowbit.optim (and with it Triton) is imported only when an optimizer name needs
 # it, so a run with torch's Adam/AdamW loads no kernels.
-
-TORCH_OPTIMIZERS = ("Adam", "AdamW")
 
 
 def valid_optimizer_names() -> list[str]:

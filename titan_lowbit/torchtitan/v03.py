@@ -63,6 +63,7 @@ from titan_lowbit.compat import private_api_ok
 from titan_lowbit.torchtitan import cpu_device, datasets
 from titan_lowbit.torchtitan.lowbit_optimizers import (
     FP32_ADAMW_STATE_BYTES,
+    TORCH_OPTIMIZERS,
     is_lowbit,
     settled_step,
     state_bytes_per_param,
@@ -70,7 +71,6 @@ from titan_lowbit.torchtitan.lowbit_optimizers import (
 
 logger = logging.getLogger(__name__)
 
-TORCH_OPTIMIZERS = ("Adam", "AdamW")
 # LowBitAdamW's options, by where torchtitan 0.3 passes them: a param group's
 # optimizer_kwargs, or the optimizer's factory kwargs (one value per optimizer).
 GROUP_OPTIONS = ("weight_update", "block_size", "min_quantized_numel")
@@ -78,6 +78,14 @@ OPTIMIZER_OPTIONS = ("nonfinite_grad", "seed")
 # torchtitan's implementation switch, which it adds to every group: titan_lowbit's
 # optimizers always run their own fused multi-tensor kernel.
 IMPLEMENTATION_KEYS = ("fused", "foreach")
+
+
+def _put(parent, attr, config) -> None:
+    """Put ``config`` where ``traverse`` found a node: a list item or a dataclass field."""
+    if isinstance(parent, list):
+        parent[attr] = config
+    else:
+        setattr(parent, attr, config)
 
 
 def lowbit_names() -> list[str]:
@@ -168,9 +176,8 @@ class LowBitOptimizersContainer(OptimizersContainer):
         seed = 0 if config.seed is None else config.seed
         names = {pg.optimizer_name for pg in config.param_groups}
         factory_kwargs = {name: dict(kwargs) for name, kwargs in config.optimizer_factory_kwargs_by_name.items()}
-        for name in names & set(lowbit_names()):
-            factory_kwargs.setdefault(name, {}).setdefault("seed", seed)
-        for name in names & set(TORCH_OPTIMIZERS):  # seed, in case LowBitAdamW steps them
+        # torch's names too: LowBitAdamW steps them where a group asks for it
+        for name in names & {*lowbit_names(), *TORCH_OPTIMIZERS}:
             factory_kwargs.setdefault(name, {}).setdefault("seed", seed)
         super().__init__(replace(config, optimizer_factory_kwargs_by_name=factory_kwargs),
                          model_parts=model_parts)
@@ -346,10 +353,7 @@ class BitNetConverter(ModelConfigConverter):
         for fqn, cfg, parent, attr in list(model_config.traverse(Linear.Config)):
             if any(fnmatch(fqn, glob) for glob in self.config.fqns):
                 new = to_bitnet(cfg, self.config.int8_backward)
-                if isinstance(parent, list):
-                    parent[attr] = new
-                else:
-                    setattr(parent, attr, new)
+                _put(parent, attr, new)
                 converted.append(fqn)
         if not converted:
             raise ValueError(f"BitNetConverter: fqns = {self.config.fqns} match no Linear of "
@@ -415,10 +419,7 @@ class BitNetSubLNConverter(ModelConfigConverter):
                     raise ValueError(
                         f"BitNetSubLNConverter: {bfqn}.{fqn} is a {type(lin).__qualname__}, a linear "
                         "with math of its own; SubLN normalizes the inputs of plain and BitNet linears")
-                if isinstance(parent, list):
-                    parent[attr] = new
-                else:
-                    setattr(parent, attr, new)
+                _put(parent, attr, new)
             block.attention_norm = NoBlockNorm.Config()
             block.ffn_norm = NoBlockNorm.Config()
         return model_config
@@ -593,10 +594,7 @@ def _use_cpu_attention(model_config) -> int:
              if type(cfg) is FlexAttention.Config]
     for parent, attr, cfg in nodes:
         new = derive(cfg, CpuFlexAttention.Config)
-        if isinstance(parent, list):
-            parent[attr] = new
-        else:
-            setattr(parent, attr, new)
+        _put(parent, attr, new)
     return len(nodes)
 
 
