@@ -43,8 +43,9 @@ Math, per element, all in fp32 (llm.c style; names as in the code)::
 The pure-PyTorch twin of this kernel is ``adamw_lowbit_ref.py``; both use the codec tables of
 ``quant_maps.py`` (dynamic-tree codes: value table to decode, bucket table + one midpoint
 compare to encode). On a GPU each program copies the tables it reads into shared memory once
-and reads them there with PTX loads (``_smem_tables_store``, ``smem_layout``); under the
-interpreter ``tl.gather`` reads them (same entries). Under ``TRITON_INTERPRET=1`` (numpy: exact division and sqrt, no fused
+and reads them there with PTX loads (``_smem_tables_store``, ``smem_layout``; with a tested
+Triton, as they rely on how Triton lays out shared memory: ``private_apis.py``); under the
+interpreter, and with any other Triton, ``tl.gather`` reads them (same entries). Under ``TRITON_INTERPRET=1`` (numpy: exact division and sqrt, no fused
 multiply-adds) and with the bf16/fp8 roundings done in integer arithmetic (``HW_CAST`` off),
 kernel and reference agree bit for bit. On a GPU the kernel uses the hardware casts (same
 rounding: nearest even), the fast division/sqrt, and the compiler fuses multiply-adds: values
@@ -61,7 +62,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from titan_lowbit.compat import private_api_ok
+from .private_apis import private_api_ok
 
 from .adamw_interface import (  # noqa: F401  (the kernel's interface, re-exported)
     UPDATE_KAHAN,
@@ -949,9 +950,11 @@ class FusedAdamW:
         self.tiles_per_program = TILES_PLAIN if cfg.m_codec == CODEC_NONE else TILES_QUANTIZED
         self.tables = codec_tables(str(self.device))
         self.enc_tables = encode_tables(str(self.device))
-        # Tables in shared memory once per program on the GPU; tl.gather under the interpreter.
+        # Tables in shared memory once per program on the GPU, with a tested Triton (PTX at
+        # Triton's shared-memory symbol: private_apis.py); else tl.gather, as under the interpreter.
         tile_elems = self.nb * cfg.block
-        self.smem = (-1, -1, 0) if interpreting() else smem_layout(cfg.m_codec, cfg.v_codec, tile_elems)
+        smem_tables = not interpreting() and private_api_ok("triton")
+        self.smem = smem_layout(cfg.m_codec, cfg.v_codec, tile_elems) if smem_tables else (-1, -1, 0)
         self.smem_image = (smem_image(cfg.m_codec, cfg.v_codec, tile_elems, str(self.device))
                            if self.smem[2] else self.tables)
         self._smem_checked = False
@@ -1042,7 +1045,7 @@ class FusedAdamW:
         )
         grid = triton.cdiv(self.n_tiles, tiles)
         key = None
-        if not interpreting() and private_api_ok("triton"):  # the launch cache: titan_lowbit/compat.py
+        if not interpreting() and private_api_ok("triton"):  # the launch cache: private_apis.py
             key = (lr_tensor.dtype, lr_tensor.data_ptr() % _SPECIALIZE_ALIGN, self._grad_base.dtype,
                    self._grad_base.data_ptr() % _SPECIALIZE_ALIGN, flags.data_ptr() % _SPECIALIZE_ALIGN,
                    guard is not None, torch.cuda.current_device())

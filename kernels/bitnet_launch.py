@@ -22,11 +22,12 @@ Inside a torch.compile graph (the ``torch.library.triton_op`` operators of
 (``torch.library.wrap_triton``) instead: Inductor then compiles the kernel and launches it
 from its generated code, with no Python of ours left per step.
 
-The compiled kernel's launcher and its arguments are Triton's private layout, so the
-cache is used only with a tested Triton (``titan_lowbit.compat``; the check runs at a
-kernel's first launch): otherwise, and with ``TITAN_LOWBIT_PRIVATE_APIS=0``, every launch
-goes through Triton (same kernels, same results). Under TRITON_INTERPRET=1 the kernels are
-interpreted functions with nothing compiled to keep: every launch goes through Triton.
+The compiled kernel's launcher and its arguments, and the kernel's parameter list, are
+Triton's private layout (``private_apis.py``), so the cache is used only with a tested
+Triton, and none of them is read before a kernel's first launch has asked: otherwise, and
+with ``TITAN_LOWBIT_PRIVATE_APIS=0``, every launch goes through Triton (same kernels, same
+results). Under TRITON_INTERPRET=1 the kernels are interpreted functions with nothing
+compiled to keep: every launch goes through Triton.
 """
 
 from __future__ import annotations
@@ -34,10 +35,9 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from triton import knobs
-from triton.runtime.jit import JITFunction
+from triton import JITFunction, knobs
 
-from titan_lowbit.compat import private_api_ok
+from .private_apis import private_api_ok
 
 # Distinct specializations kept per kernel; a run with ever-changing shapes (e.g. varying
 # sequence lengths) starts over instead of growing without bound.
@@ -80,12 +80,12 @@ def arg_key(args) -> tuple:
 
 
 class _Entry:
-    __slots__ = ("run", "function", "metadata", "kernel", "tail", "config")
+    __slots__ = ("launcher", "handle", "packed", "kernel", "tail", "config")
 
     def __init__(self, compiled, tail, config):
-        self.run = compiled.run  # the launcher (initialized by the first launch)
-        self.function = compiled.function
-        self.metadata = compiled.packed_metadata
+        self.launcher = compiled.run  # initialized by the first launch
+        self.handle = compiled.function  # the loaded device function
+        self.packed = compiled.packed_metadata
         self.kernel = compiled
         self.tail = tail
         self.config = config
@@ -104,22 +104,28 @@ class FastKernel:
         self.jit = _jit_function(kernel)
         self._entries: dict = {}
         self._driver = None
-        self._enabled = None  # decided at the first launch (compat.private_api_ok)
-        if self.jit is not None:
-            params = self.jit.params
-            n_rt = sum(not p.is_constexpr for p in params)
-            if any(p.is_constexpr for p in params[:n_rt]):
-                raise TypeError(f"FastKernel: {self.jit.__name__} must list its constexpr "
-                                "parameters after all runtime parameters")
-            self._n_runtime = n_rt
-            self._constexpr_names = tuple(p.name for p in params[n_rt:])
+        self._enabled = None  # decided at the first launch (private_api_ok)
 
     @property
     def enabled(self) -> bool:
         """Whether launches go through the cache: a compiled kernel and a tested Triton."""
         if self._enabled is None:
             self._enabled = self.jit is not None and private_api_ok("triton")
+            if self._enabled:
+                self._read_parameters()
         return self._enabled
+
+    def _read_parameters(self) -> None:
+        """How many runtime parameters the kernel takes and the names of its constexpr
+        ones, which must come after all runtime parameters (the launcher takes them in
+        order)."""
+        params = self.jit.params
+        n_rt = sum(not p.is_constexpr for p in params)
+        if any(p.is_constexpr for p in params[:n_rt]):
+            raise TypeError(f"FastKernel: {self.jit.__name__} must list its constexpr "
+                            "parameters after all runtime parameters")
+        self._n_runtime = n_rt
+        self._constexpr_names = tuple(p.name for p in params[n_rt:])
 
     # -- the cache ----------------------------------------------------------------------
 
@@ -160,11 +166,11 @@ class FastKernel:
         enter = knobs.runtime.launch_enter_hook
         if getattr(enter, "calls", enter):  # hooks installed (a profiler): as Triton does
             md = entry.kernel.launch_metadata(grid, stream, *args, *entry.tail)
-            entry.run(grid[0], g1, g2, stream, entry.function, entry.metadata, md,
-                      enter, knobs.runtime.launch_exit_hook, *args, *entry.tail)
+            entry.launcher(grid[0], g1, g2, stream, entry.handle, entry.packed, md,
+                           enter, knobs.runtime.launch_exit_hook, *args, *entry.tail)
         else:
-            entry.run(grid[0], g1, g2, stream, entry.function, entry.metadata, None,
-                      None, None, *args, *entry.tail)
+            entry.launcher(grid[0], g1, g2, stream, entry.handle, entry.packed, None,
+                           None, None, *args, *entry.tail)
 
     # -- the common case ----------------------------------------------------------------
 

@@ -47,6 +47,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .bitnet_launch import FastKernel, arg_key, record_launch
 from .bitnet_launch import cdiv as _cdiv
 from .loops import kernel_range
+from .private_apis import private_api_ok
 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Triton fixes interpretation when a kernel is defined (module import), so read it once.
@@ -364,6 +365,8 @@ class _CheckedDescriptor(TensorDescriptor):
 
 _POINTER = FastKernel(_int8_matmul_kernel)
 _TMA = FastKernel(_int8_matmul_tma_kernel)
+# The autotuned kernel behind each variant a compiled graph can record.
+_TRACED_KERNELS = {"pointer": _int8_matmul_kernel, "device_tma": _int8_matmul_tma_device_kernel}
 IMPLS = ("auto", "tma", "device_tma", "pointer")
 # (variant, M, N, K, a row stride, b row stride, out dtype) -> the autotuner's chosen
 # Config, recorded by every autotuning launch (the traced path reads it).
@@ -373,8 +376,12 @@ _TUNED: dict[tuple, triton.Config] = {}
 def _traced_tile(variant: str, M: int, N: int, K: int, stride_a: int, stride_b: int,
                  out_dtype: torch.dtype, device: torch.device) -> triton.Config:
     """The tile the autotuner picks for this variant and shape, timing it now on scratch
-    operands if no eager launch of the shape has (while torch.compile traces)."""
+    operands if no eager launch of the shape has (while torch.compile traces). Timing
+    while tracing needs a private API of torch (``_real_tensors``): without it, the
+    variant's first tile."""
     key = (variant, M, N, K, stride_a, stride_b, out_dtype)
+    if key not in _TUNED and not private_api_ok("torch"):
+        return _TRACED_KERNELS[variant].configs[0]
     if key not in _TUNED:
         with _real_tensors():
             a, b, scale = _scratch_operands(M, N, K, stride_a, stride_b, device)
@@ -384,7 +391,8 @@ def _traced_tile(variant: str, M: int, N: int, K: int, stride_a: int, stride_b: 
 
 def _real_tensors():
     """A context outside torch.compile's tracing modes (fake tensors, proxies): timing
-    while a graph is traced runs on real device memory."""
+    while a graph is traced runs on real device memory. A private API of torch
+    (private_apis.py): its callers ask ``private_api_ok("torch")`` first."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     return _disable_current_modes()
@@ -438,8 +446,10 @@ def _traced_variant(a, b, M: int, N: int, K: int, out_dtype: torch.dtype) -> str
     scratch operands, of the pointer and the device-TMA variant (each autotuned) where a
     Hopper GPU and the operands' alignment allow the latter; else the pointer variant.
     Descriptors built in the kernel cost each program some time, which loses on the
-    smallest shapes (measured in docs/bitnet.md)."""
-    if not (_has_tma(_device_index(a.device)) and _traced_rows_aligned(a) and _traced_rows_aligned(b)):
+    smallest shapes (measured in docs/bitnet.md). Timing while tracing needs a private API
+    of torch: without it, the pointer variant."""
+    if not (_has_tma(_device_index(a.device)) and _traced_rows_aligned(a) and _traced_rows_aligned(b)
+            and private_api_ok("torch")):
         return "pointer"
     key = (M, N, K, int(a.stride(0)), int(b.stride(0)), out_dtype)
     if key not in _TRACED_VARIANT:

@@ -322,6 +322,26 @@ def test_int8_matmul_every_tile_schedule_matches_reference(per_sm, tma_store, sp
         torch.testing.assert_close(out, ref, rtol=2**-7 if out_dtype == torch.bfloat16 else 2**-10, atol=0)
 
 
+def test_traced_tile_without_private_apis_is_the_first_tile(monkeypatch):
+    """Timing a tile while torch.compile traces needs a private API of torch
+    (kernels/private_apis.py); with the private APIs off the traced launch takes the tile an
+    eager launch of the shape chose, else the variant's first, without timing."""
+    from titan_lowbit.kernels import private_apis as fence
+
+    def no_timing():
+        raise AssertionError("timed while tracing with the private APIs off")
+
+    monkeypatch.setattr(fence, "_told", set())
+    monkeypatch.setenv(fence.ENV, "0")
+    monkeypatch.setattr(mm, "_real_tensors", no_timing)
+    monkeypatch.setattr(mm, "_TUNED", {})
+    shape = ("pointer", 48, 80, 64, 64, 64, torch.bfloat16)
+    assert mm._traced_tile(*shape, torch.device(DEVICE)) is mm._int8_matmul_kernel.configs[0]
+    tuned = mm._int8_matmul_kernel.configs[-1]
+    mm._TUNED[shape] = tuned
+    assert mm._traced_tile(*shape, torch.device(DEVICE)) is tuned
+
+
 def test_traced_launch_alignment_check():
     """A compiled graph's launch takes the device-TMA variant only for operands whose
     storage offset and row stride are multiples of 16 bytes (what a descriptor needs)."""

@@ -44,9 +44,9 @@ def _worker(fast: bool) -> None:
     from titan_lowbit.kernels import bitnet_matmul as mm
     from titan_lowbit.kernels import bitnet_quant as bq
 
-    from titan_lowbit import compat
+    from titan_lowbit.kernels import private_apis
 
-    assert compat.private_api_ok("triton") == fast
+    assert private_apis.private_api_ok("triton") == fast
     torch.manual_seed(0)
     x = torch.randn(33, 256, dtype=torch.bfloat16)
     w = torch.randn(80, 256)
@@ -128,6 +128,36 @@ def _run(fast: bool):
     # The public path is announced once, however many kernels take it.
     said = proc.stderr.count("taking the public paths instead of triton's")
     assert said == (0 if fast else 1), proc.stderr[-4000:]
+
+
+def test_a_kernel_is_wrapped_and_launched_without_tritons_internals(monkeypatch):
+    """FastKernel reads a kernel's parameter list (JITFunction.params, Triton's internals:
+    kernels/private_apis.py) only once a launch has found the private APIs usable; wrapping
+    a kernel (at import) and launching it with them off reads none of it."""
+    from triton import JITFunction
+
+    from titan_lowbit.kernels import bitnet_launch as bl
+    from titan_lowbit.kernels import private_apis
+
+    launched = []
+
+    class Probe(JITFunction):
+        def __init__(self):  # none of Triton's state: any read of it fails
+            pass
+
+        @property
+        def params(self):
+            raise AssertionError("JITFunction.params read")
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launched.append((grid, args, meta))
+
+    monkeypatch.setattr(private_apis, "_told", set())
+    monkeypatch.setenv(private_apis.ENV, "0")
+    kernel = bl.FastKernel(Probe())
+    kernel((2,), (3, 5), BLOCK=4)
+    kernel.prepare((1,), (7,), BLOCK=8)()
+    assert launched == [((2,), (3, 5), {"BLOCK": 4}), ((1,), (7,), {"BLOCK": 8})]
 
 
 def test_fast_launch_passes_what_triton_passes():

@@ -558,6 +558,25 @@ def test_shared_memory_image_holds_the_tables_where_the_kernel_reads_them(fmt, t
     assert not image[:K.smem_gap(tile_elems)].any()  # the gap holds no table
 
 
+@pytest.mark.parametrize("private_apis", ["1", "0"])
+def test_shared_memory_tables_only_with_a_tested_triton(private_apis, monkeypatch):
+    """The tables in shared memory rely on how Triton lays it out (kernels/private_apis.py):
+    a compiled plan keeps them there with a tested Triton; with the private APIs off (or an
+    untested Triton) tl.gather reads them, as under the interpreter."""
+    from titan_lowbit.kernels import private_apis as fence
+
+    monkeypatch.setattr(K, "interpreting", lambda: False)  # the plan a compiled kernel gets
+    monkeypatch.setattr(fence, "_told", set())
+    monkeypatch.setenv(fence.ENV, private_apis)
+    mc, vc, block = FORMATS["8bit"]
+    cfg = K.AdamWConfig(mc, vc, False, block, K.UPDATE_NEAREST, True, torch.float32, torch.float32)
+    plan = K.FusedAdamW(cfg, [_make(cfg, (4, 512), torch.Generator().manual_seed(0))], elems_per_program=512)
+    if private_apis == "1":
+        assert plan.smem == K.smem_layout(mc, vc, 512) and plan.smem[2] > 0
+    else:
+        assert plan.smem == (-1, -1, 0) and plan.smem_image is plan.tables
+
+
 def test_triton_scratch_stays_below_the_shared_memory_tables():
     """The tables live in shared memory for a program's life, but Triton does not know
     they are there: its own scratch (layout conversions in the tile loop) must stay inside

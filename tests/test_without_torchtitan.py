@@ -84,8 +84,7 @@ def test_optim_and_bitnet_import_without_torchtitan_and_change_nothing(tmp_path)
     assert result["torchtitan"] == [] and result["changed"] == []
     assert "has none" in result["subln"], result["subln"]
     parts = {m.split(".")[1] for m in result["titan_lowbit"] if "." in m}
-    # compat: the private-API fence the kernels consult (plain Python, no torchtitan)
-    assert parts == {"optim", "bitnet", "kernels", "compat"}, result["titan_lowbit"]
+    assert parts == {"optim", "bitnet", "kernels"}, result["titan_lowbit"]
 
 
 def test_fsdp2_example_trains_and_resumes_from_dcp_without_torchtitan(tmp_path):

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Literal, get_args
 
 from titan_lowbit.bitnet.converter import DEFAULTS as BITNET_DEFAULTS
-from titan_lowbit.compat import private_api_ok, torchtitan_line
+from titan_lowbit.compat import torchtitan_line
+from titan_lowbit.kernels.private_apis import patch, private_api_ok
 # (the block rule lives with the code books, which kernels and optimizer share)
 from titan_lowbit.kernels.quant_maps import is_block_size
 from titan_lowbit.optim.adamw import NONFINITE_POLICIES as OPTIMIZER_NONFINITE_POLICIES
@@ -218,7 +219,7 @@ def unknown_keys(cls, data: dict, section: str = "") -> list[str]:
 def _wrap_config_manager(method: str, check) -> None:
     """Run ``check(manager, *args)`` before torchtitan's ``ConfigManager.<method>``. Both
     methods wrapped here are torchtitan's private ones: only with a tested torchtitan
-    (titan_lowbit/compat.py), once per process."""
+    (kernels/private_apis.py), once per process."""
     if torchtitan_line() != (0, 2) or not private_api_ok("torchtitan"):
         return
     from torchtitan.config.manager import ConfigManager
@@ -232,7 +233,7 @@ def _wrap_config_manager(method: str, check) -> None:
         return original(self, *args)
 
     wrapped.titan_lowbit_checked = True
-    setattr(ConfigManager, method, wrapped)
+    patch(ConfigManager, method, wrapped)
 
 
 def _check_keys(manager, cls, data) -> None:

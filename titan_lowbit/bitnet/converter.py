@@ -36,7 +36,7 @@ from titan_lowbit.bitnet.weight import (
     refresh_ternary_codes,
     refresh_ternary_codes_hook,
 )
-from titan_lowbit.compat import private_api_ok
+from titan_lowbit.kernels.private_apis import private_api_ok
 from titan_lowbit.kernels.bitnet_quant import SUPPORTED_FLOAT_DTYPES
 
 # The int8 tensor-core tile is 16 deep; a linear with fewer inputs or outputs is mostly
@@ -183,7 +183,7 @@ class BitNetConverter:
         self.keep_codes = bool(_lowbit_option(job_config, "bitnet_keep_codes"))
         self.converted: list[str] = []
         compiling = bool(getattr(getattr(job_config, "compile", None), "enable", False))
-        # Inductor's choices are a private API of torch (titan_lowbit/compat.py): the module
+        # Inductor's choices are a private API of torch (kernels/private_apis.py): the module
         # that replaces them is imported only with a tested torch.
         if (compiling and _lowbit_option(job_config, "bitnet_persistent_rows")
                 and private_api_ok("torch")):

@@ -40,6 +40,8 @@ from torch._inductor.dependencies import MemoryDep
 from torch._inductor.runtime.hints import ReductionHint
 from torch._inductor.virtualized import V
 
+from titan_lowbit.kernels.private_apis import patch
+
 logger = logging.getLogger(__name__)
 
 # Longest row kept in registers (after padding to a power of two: 5632 -> 8192).
@@ -108,7 +110,7 @@ def install() -> bool:
     so); returns whether ours is installed."""
     current = inductor_config.inductor_choices_class
     if current is None:
-        inductor_config.inductor_choices_class = PersistentRowReductions
+        patch(inductor_config, "inductor_choices_class", PersistentRowReductions)
     elif not (isinstance(current, type) and issubclass(current, PersistentRowReductions)):
         logger.warning(
             "[lowbit] bitnet_persistent_rows: Inductor already uses the choices %r, which "

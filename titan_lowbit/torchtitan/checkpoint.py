@@ -77,7 +77,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titan_lowbit.bitnet.weight import local_training_weight
-from titan_lowbit.compat import private_api_ok
+from titan_lowbit.kernels.private_apis import patch, private_api_ok
 from titan_lowbit.optim.formats import STATE_FORMATS, block_of
 from titan_lowbit.torchtitan.checkpoint_convert import conversion_requested, load_converted
 from titan_lowbit.torchtitan.checkpoint_manifest import (
@@ -745,7 +745,7 @@ def save_atomically(save, checkpoint_id: str):
 def register() -> None:
     """Wrap torchtitan's CheckpointManager.dcp_load, dcp_save and _find_load_step with the
     checks above: private methods of torchtitan, so only with a tested torchtitan
-    (titan_lowbit/compat.py); otherwise torchtitan checkpoints as it does by itself."""
+    (kernels/private_apis.py); otherwise torchtitan checkpoints as it does by itself."""
     if not private_api_ok("torchtitan"):
         return
     from torchtitan.components.checkpoint import MODEL, OPTIMIZER, AsyncMode, CheckpointManager
@@ -810,6 +810,6 @@ def register() -> None:
         return step
 
     dcp_load.titan_lowbit_checked = True
-    CheckpointManager.dcp_load = dcp_load
-    CheckpointManager.dcp_save = dcp_save
-    CheckpointManager._find_load_step = _find_load_step
+    patch(CheckpointManager, "dcp_load", dcp_load)
+    patch(CheckpointManager, "dcp_save", dcp_save)
+    patch(CheckpointManager, "_find_load_step", _find_load_step)

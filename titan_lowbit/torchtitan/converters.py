@@ -4,14 +4,14 @@ torchtitan looks converters up as ``_registry_model_converter_cls[name]``, so a 
 ``[model] converters`` surfaces as a bare ``KeyError: 'bitnt'``. The registry dict is
 replaced by one that names the key and the valid choices (same contents, same lookups);
 the dict is torchtitan's private name, so only with a tested torchtitan
-(titan_lowbit/compat.py).
+(kernels/private_apis.py).
 """
 
 from __future__ import annotations
 
 import torchtitan.protocols.model_converter as model_converter
 
-from titan_lowbit.compat import private_api_ok
+from titan_lowbit.kernels.private_apis import patch, private_api_ok
 
 
 class ConverterRegistry(dict):
@@ -34,7 +34,7 @@ def register() -> None:
     if private_api_ok("torchtitan"):
         registry = model_converter._registry_model_converter_cls
         if not isinstance(registry, ConverterRegistry):
-            model_converter._registry_model_converter_cls = ConverterRegistry(registry)
+            patch(model_converter, "_registry_model_converter_cls", ConverterRegistry(registry))
     global _registered
     if not _registered:  # torchtitan refuses a name registered twice
         for name, cls in CONVERTERS.items():

@@ -205,7 +205,8 @@ def switch() -> bool:
 
 
 # Where each torchtitan line keeps a copy of its device globals: torchtitan modules import
-# ``device_type``/``device_module`` by name, so every module holding a copy is updated.
+# ``device_type``/``device_module`` by name, so every module holding a copy is updated
+# (writes into torchtitan, listed in kernels/private_apis.py).
 DEVICE_GLOBALS = {
     (0, 2): {
         "torchtitan.tools.utils": ("device_type", "device_module"),
@@ -234,6 +235,7 @@ def enable() -> None:
     import importlib
 
     from titan_lowbit.compat import torchtitan_line
+    from titan_lowbit.kernels.private_apis import patch
 
     line = torchtitan_line()
     holders = DEVICE_GLOBALS.get(line)
@@ -249,7 +251,7 @@ def enable() -> None:
                     f"titan_lowbit's CPU path expects {module_name}.{name}; this torchtitan "
                     f"version is not supported (tested: {', '.join(map(str, sorted(DEVICE_GLOBALS)))})"
                 )
-            setattr(module, name, values[name])
+            patch(module, name, values[name])
 
 
 def is_enabled() -> bool:

@@ -22,9 +22,10 @@ import os
 from functools import partial
 
 from torchtitan.hf_datasets import DatasetConfig
-from torchtitan.hf_datasets.text_datasets import DATASETS
+from torchtitan.hf_datasets import text_datasets
 from torchtitan.tools.logging import logger
 
+from titan_lowbit.kernels.private_apis import patch_entry
 from titan_lowbit.prepare_data import DATA_VARIABLE, data_dir
 
 SPLIT_FILES = {"train": "train.jsonl", "validation": "validation.jsonl"}
@@ -135,10 +136,11 @@ def check_corpus(hf_assets_path: str, *dataloaders) -> None:
 
 
 def register() -> None:
-    """Register the datasets with the default folder as the environment names it now."""
+    """Register the datasets with the default folder as the environment names it now, in
+    torchtitan's dataset table (it has no registration function)."""
     if not DATASET_CONFIGS:
         DATASET_CONFIGS.update(_configs(str(data_dir())))
     for name, config in DATASET_CONFIGS.items():
-        if DATASETS.get(name) not in (None, config):
+        if text_datasets.DATASETS.get(name) not in (None, config):
             raise RuntimeError(f"a dataset named {name!r} is already registered with torchtitan")
-        DATASETS[name] = config
+        patch_entry(text_datasets, "DATASETS", name, config)

@@ -22,15 +22,18 @@ _registered: dict[str, object] = {}  # what register() put into torchtitan's tab
 
 def register() -> None:
     """torchtitan 0.2: add the flavors to torchtitan's llama3 flavor table."""
-    from torchtitan.models.llama3 import llama3_args
+    import torchtitan.models.llama3 as llama3
     from torchtitan.models.llama3.model.args import TransformerModelArgs
 
+    from titan_lowbit.kernels.private_apis import patch_entry
+
     for name, shapes in {"1B": LLAMA3_1B}.items():
-        existing = llama3_args.get(name)
+        existing = llama3.llama3_args.get(name)
         if existing is not None and existing is not _registered.get(name):
             raise RuntimeError(
                 f"llama3 flavor {name!r} is already defined by torchtitan; titan_lowbit "
                 "would shadow it. Rename titan_lowbit's flavor."
             )
         if existing is None:
-            _registered[name] = llama3_args[name] = TransformerModelArgs(**shapes)
+            _registered[name] = TransformerModelArgs(**shapes)
+            patch_entry(llama3, "llama3_args", name, _registered[name])

@@ -2,8 +2,8 @@
 
 The user keeps ``[model] name = "llama3"`` (or any built-in model). torchtitan's Trainer
 asks ``torchtitan.protocols.train_spec.get_train_spec(name)`` for the spec; titan_lowbit
-replaces that one function with one that returns the same spec with three builders
-wrapped:
+replaces that one function (a write into torchtitan listed in kernels/private_apis.py) with
+one that returns the same spec with three builders wrapped:
 
 - ``parallelize_fn`` first refuses ``[lowbit] bitnet_*`` settings the job would ignore
   (``config.check_bitnet_keys``), applies ``[lowbit] weight_dtype`` to the (meta) model, so
@@ -30,6 +30,7 @@ from torchtitan.tools.logging import logger
 from titan_lowbit.torchtitan import cpu_device, datasets
 from titan_lowbit.bitnet import enable_tensor_parallel
 from titan_lowbit.config import check_bitnet_keys, lowbit_of
+from titan_lowbit.kernels.private_apis import patch
 from titan_lowbit.torchtitan.optimizer_builder import wrap_build_optimizers
 
 _JOB_CONFIGS: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
@@ -109,4 +110,4 @@ def get_train_spec(name: str) -> train_spec_module.TrainSpec:
 
 
 def register() -> None:
-    train_spec_module.get_train_spec = get_train_spec
+    patch(train_spec_module, "get_train_spec", get_train_spec)

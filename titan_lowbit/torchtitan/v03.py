@@ -59,7 +59,7 @@ from torchtitan.trainer import Trainer
 from titan_lowbit.bitnet.converter import convert_to_bitnet
 from titan_lowbit.bitnet.linear import BitNetLinear as _BitNetForward
 from titan_lowbit.bitnet.weight import local_training_weight, precompute_scales
-from titan_lowbit.compat import private_api_ok
+from titan_lowbit.kernels.private_apis import private_api_ok
 from titan_lowbit.torchtitan import cpu_device, datasets
 from titan_lowbit.torchtitan.lowbit_optimizers import (
     FP32_ADAMW_STATE_BYTES,
@@ -608,7 +608,7 @@ def wants_persistent_rows(config: "LowBitTrainer.Config") -> bool:
 
 def _install_persistent_rows() -> bool:
     """Inductor's one-read row reductions for BitNet's fused row quantizations, where the
-    installed torch is a tested one (titan_lowbit/compat.py); whether they are on."""
+    installed torch is a tested one (kernels/private_apis.py); whether they are on."""
     if not private_api_ok("torch"):
         return False
     from titan_lowbit.bitnet import row_reductions
