@@ -29,7 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from titan_lowbit.run_logs import step_losses
+from run_logs import step_losses  # scripts/run_logs.py, beside this file
 
 ROOT = Path(__file__).resolve().parents[1]
 VAL_LOSS = re.compile(r"validate step:\s*(\d+)\s+loss:\s*(-?[0-9.]+|nan|inf)")

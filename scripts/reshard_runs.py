@@ -37,7 +37,7 @@ import sys
 from pathlib import Path
 
 from runs import ROOT, Budget, gpu_count, launch, resume_dump, versions  # scripts/runs.py, beside this file
-from titan_lowbit.run_logs import parse_log, summarize
+from run_logs import parse_log, summarize  # scripts/run_logs.py, beside this file
 
 
 def mesh_args(nproc: int, tp: int) -> list[str]:

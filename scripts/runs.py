@@ -1,5 +1,5 @@
 """Launch torchtitan runs through scripts/train.sh, for scripts/scale_runs.py and
-scripts/reshard_runs.py (their logs are read by ``titan_lowbit.run_logs``).
+scripts/reshard_runs.py (their logs are read by ``run_logs``).
 
 :func:`launch` runs ``scripts/train.sh CONFIG overrides`` on ``nproc`` GPUs (the first
 ``nproc`` visible ones) or, with no GPU, on ``nproc`` gloo CPU processes; every rank's
@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from titan_lowbit.run_logs import ANSI
+from run_logs import ANSI  # scripts/run_logs.py, beside this file
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIXES = re.compile(r"^(?:\[(?:rank|default)\d+\]:)+")

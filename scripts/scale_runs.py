@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 from runs import ROOT, Budget, gpu_count, launch, versions  # scripts/runs.py, beside this file
-from titan_lowbit.run_logs import merge_rounds, parse_log, scale_table, summarize
+from run_logs import merge_rounds, parse_log, scale_table, summarize  # scripts/run_logs.py
 
 try:
     import tomllib

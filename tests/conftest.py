@@ -48,7 +48,10 @@ os.environ["TITAN_LOWBIT_DATA"] = str(DATA)
 PREPARE_DATA = [sys.executable, "-m", "titan_lowbit.prepare_data"]
 
 from fork_launcher import Launcher, free_port  # noqa: E402
-from titan_lowbit.run_logs import step_losses  # noqa: E402,F401  (tests import step_losses from here)
+# scripts/ holds the readers of torchtitan's logs that the scripts and the tests share
+# (run_logs), as scripts/ itself imports them: beside each other, not from the package.
+sys.path.append(str(ROOT / "scripts"))
+from run_logs import step_losses  # noqa: E402,F401  (tests import step_losses from here)
 
 
 # gloo's teardown (torch 2.13, CPU) now and then aborts one rank at exit with SIGABRT,

@@ -1,8 +1,8 @@
-"""titan_lowbit.run_logs reads torchtitan 0.2.2's per-step log lines. The excerpts are real:
+"""scripts/run_logs.py reads torchtitan 0.2.2's per-step log lines. The excerpts are real:
 captured from `scripts/train.sh train_configs/llama3_debug.toml` on 2 gloo CPU processes
 with LOG_RANK=0,1 (torchrun's warning lines left out), plain and in torchtitan's colors."""
 
-from titan_lowbit.run_logs import parse_log, summarize
+from run_logs import parse_log, summarize  # scripts/run_logs.py (conftest puts scripts/ on the path)
 
 # scripts/scale_runs.py --config train_configs/llama3_debug.toml --ngpu 2 --steps 4, "8bit"
 PLAIN = (
@@ -67,7 +67,7 @@ def test_parse_log_reads_thousands_and_wide_memory():
 
 
 def test_scale_runs_merges_rounds_into_one_row():
-    from titan_lowbit.run_logs import merge_rounds, scale_table as table
+    from run_logs import merge_rounds, scale_table as table
 
     def run(tps, gib, loss):
         return {"seconds": 40.0, "steps": 4, "last_step": 4, "tps": tps, "tps_steps": 3,

@@ -40,7 +40,8 @@ scripts/train.sh "$config" "${common[@]}" > "$logs/${name}_resumed.log" 2>&1 \
   || { tail -80 "$logs/${name}_resumed.log"; exit 1; }
 "${PYTHON:-python3}" - "$logs/${name}_full.log" "$logs/${name}_resumed.log" "$name" "$half" "$steps" <<'PY'
 import sys
-from titan_lowbit.run_logs import step_losses
+sys.path.insert(0, "scripts")  # the repository root is the working directory
+from run_logs import step_losses
 full_log, resumed_log, name, half, steps = sys.argv[1:4] + [int(a) for a in sys.argv[4:6]]
 text = open(resumed_log).read()
 full, resumed = step_losses(open(full_log).read()), step_losses(text)

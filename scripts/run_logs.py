@@ -7,6 +7,9 @@
 - :func:`summarize`: steady-state figures of a run (``scripts/scale_runs.py``,
   ``scripts/reshard_runs.py``); :func:`merge_rounds` and :func:`scale_table`: the rows
   and the markdown report of ``scripts/scale_runs.py``.
+
+It is not part of the package (no packaged tool reads training logs): the scripts import
+it from beside them, ``tools/resume_check.sh`` and the tests from ``scripts/``.
 """
 
 from __future__ import annotations
