@@ -66,6 +66,21 @@ _ROOT_CAUSE_SIGABRT = re.compile(r"Root Cause \(first observed failure\):\s*\n.*
                                  re.S)
 
 
+# A two-rank script whose rank 1 aborts (SIGABRT) after the barrier, after rank 0 printed
+# argv[2] (argv[1] = "after") or before it printed anything ("before").
+RANK_ONE_ABORTS = """
+import os, sys, torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+if sys.argv[1] == "after" and rank == 0:
+    print(sys.argv[2], flush=True)
+dist.barrier()
+if rank == 1:
+    os.abort()
+dist.destroy_process_group()
+"""
+
+
 def aborted_at_teardown(proc: subprocess.CompletedProcess, finished: str = TRAINING_FINISHED) -> bool:
     """True when a torchrun run failed only because a rank aborted (SIGABRT, torchrun's
     root cause) after the run printed ``finished``."""
@@ -224,6 +239,55 @@ def run_train(*overrides: str, config: Path = DEBUG_CONFIG, nproc: int = 2, time
             f"train.sh failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def stopped_run(*overrides: str, nproc: int = 2) -> str:
+    """Output of a train.sh run that must stop before its first training step."""
+    proc = run_train(*overrides, nproc=nproc, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and not step_losses(out), out[-3000:]
+    return out
+
+
+def parse_job_config(*args, toml: str | None = None, tmp_path=None):
+    """The JobConfig torchtitan 0.2's ConfigManager parses from command-line ``args``, after
+    the job file ``toml`` (written under ``tmp_path``) when given."""
+    from torchtitan.config import ConfigManager
+
+    argv = list(args)
+    if toml is not None:
+        path = tmp_path / "job.toml"
+        path.write_text(toml)
+        argv = ["--job.config_file", str(path), *argv]
+    return ConfigManager().parse_args(argv)
+
+
+def small_bf16_model(seed=0):
+    """The FSDP2 tests' bf16 model: two linears and a norm."""
+    import torch.nn as nn
+
+    torch.manual_seed(seed)
+    # 70 rows: odd per-rank split is fine (35 each); 4-bit blocks of 128 along 300 columns.
+    return nn.Sequential(nn.Linear(300, 70), nn.LayerNorm(70), nn.Linear(70, 130, bias=False)).to(torch.bfloat16)
+
+
+def sharded_small_model(mesh):
+    """small_bf16_model() under FSDP2: each linear its own group, the rest (the norm) the root's."""
+    import torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+
+    m = small_bf16_model()
+    for mod in [x for x in m if isinstance(x, nn.Linear)] + [m]:
+        fully_shard(mod, mesh=mesh)
+    return m
+
+
+def train_mean_square(model, opt, xs):
+    """One step per input on the mean square of the model's output."""
+    for x in xs:
+        opt.zero_grad()
+        model(x).float().square().mean().backward()
+        opt.step()
 
 
 SAVE_STEP = 4

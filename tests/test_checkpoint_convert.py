@@ -11,8 +11,7 @@ them, a state of another layout is refused, naming the way to convert it.
 import pytest
 import torch
 
-from conftest import SAVE_STEP, resume_folder, run_train, step_losses
-from test_checkpoint_safety import stopped_run
+from conftest import SAVE_STEP, resume_folder, run_train, step_losses, stopped_run
 from titan_lowbit.kernels.adamw_lowbit_ref import master_rebuild
 from titan_lowbit.optim import LowBitAdamW, convert_state_dict
 

@@ -31,7 +31,7 @@ from types import SimpleNamespace
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import SAVE_STEP, resume_folder, run_on_gloo, run_train, step_losses
+from conftest import SAVE_STEP, resume_folder, run_on_gloo, run_train, step_losses, stopped_run
 from titan_lowbit.torchtitan import checkpoint as ckpt
 from titan_lowbit.torchtitan.checkpoint_manifest import MANIFEST, index_places, write_manifest
 
@@ -70,14 +70,6 @@ def overwrite_optimizer_bytes(step_dir) -> str:
         f.seek(info.offset + info.length // 2)
         f.write(b"\xa5" * 64)
     return index.fqn
-
-
-def stopped_run(*overrides: str, nproc: int = 2) -> str:
-    """Output of a train.sh run that must stop before its first training step."""
-    proc = run_train(*overrides, nproc=nproc, check=False)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and not step_losses(out), out[-3000:]
-    return out
 
 
 def test_interrupted_save_is_skipped_and_resume_continues_identically(two_process_checkpoint,

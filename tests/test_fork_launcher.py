@@ -11,9 +11,8 @@ import sys
 
 import pytest
 
-from conftest import ROOT, TRAINING_FINISHED, aborted_at_teardown, cpu_run_env, fork_launcher
+from conftest import RANK_ONE_ABORTS, ROOT, TRAINING_FINISHED, aborted_at_teardown, cpu_run_env, fork_launcher
 from fork_launcher import Launcher
-from test_teardown_abort import SCRIPT as ABORT  # rank 1 aborts, after or before rank 0 finished
 
 SHOW = """
 import json, os, sys, torch, torch.distributed as dist
@@ -98,7 +97,7 @@ def test_a_failing_rank_stops_the_others_and_is_named(launcher, tmp_path):
 
 @pytest.mark.parametrize("when, expected", [("after", True), ("before", False)])
 def test_report_of_an_abort_reads_as_torchruns(launcher, tmp_path, when, expected):
-    proc = launcher.launch([script(tmp_path, ABORT), when, TRAINING_FINISHED], 2,
+    proc = launcher.launch([script(tmp_path, RANK_ONE_ABORTS), when, TRAINING_FINISHED], 2,
                            cpu_run_env(), ROOT, 120)
     assert proc.returncode == 1 and "SIGABRT" in proc.stderr, proc.stderr[-3000:]
     assert aborted_at_teardown(proc) is expected, proc.stderr[-3000:]

@@ -4,29 +4,18 @@ offline data, and bad input stopping before any training."""
 import hashlib
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
 
 import titan_lowbit.torchtitan  # noqa: F401  (registers everything, as custom_import does)
-from conftest import PREPARE_DATA, ROOT, DEBUG_CONFIG, run_train, step_losses
-from torchtitan.config import ConfigManager
-
-
-def parse(*args, toml: str | None = None, tmp_path=None):
-    argv = list(args)
-    if toml is not None:
-        path = tmp_path / "job.toml"
-        path.write_text(toml)
-        argv = ["--job.config_file", str(path), *argv]
-    return ConfigManager().parse_args(argv)
+from conftest import PREPARE_DATA, ROOT, DEBUG_CONFIG, parse_job_config, run_train, step_losses
 
 
 # ---- [lowbit] section -----------------------------------------------------------------
 
 def test_lowbit_section_defaults_and_overrides():
-    cfg = parse("--job.config_file", str(DEBUG_CONFIG), "--lowbit.weight_update", "kahan",
+    cfg = parse_job_config("--job.config_file", str(DEBUG_CONFIG), "--lowbit.weight_update", "kahan",
                 "--lowbit.block_size", "64")
     assert cfg.lowbit.weight_update == "kahan"
     assert cfg.lowbit.block_size == 64
@@ -42,7 +31,7 @@ def test_old_custom_import_names_the_key_and_the_module(tmp_path, where):
     if where == "toml":
         toml, args = toml + '[experimental]\ncustom_import = "titan_lowbit"\n', ()
     with pytest.raises(ValueError) as err:
-        parse(*args, toml=toml, tmp_path=tmp_path)
+        parse_job_config(*args, toml=toml, tmp_path=tmp_path)
     msg = str(err.value)
     assert '[experimental] custom_import = "titan_lowbit"' in msg
     assert 'custom_import = "titan_lowbit.torchtitan"' in msg
@@ -51,7 +40,7 @@ def test_old_custom_import_names_the_key_and_the_module(tmp_path, where):
 def test_unknown_lowbit_key_names_key_and_valid_keys(tmp_path):
     toml = '[job]\ncustom_config_module = "titan_lowbit.config"\n[lowbit]\nweight_updat = "kahan"\n'
     with pytest.raises(ValueError) as err:
-        parse(toml=toml, tmp_path=tmp_path)
+        parse_job_config(toml=toml, tmp_path=tmp_path)
     msg = str(err.value)
     assert "[lowbit] weight_updat" in msg and "'weight_update'" in msg and "'block_size'" in msg
 
@@ -64,7 +53,7 @@ def test_unknown_lowbit_key_names_key_and_valid_keys(tmp_path):
 def test_bad_lowbit_value_names_key_and_choices(tmp_path, key, value, choices):
     toml = f'[job]\ncustom_config_module = "titan_lowbit.config"\n[lowbit]\n{key} = {value}\n'
     with pytest.raises(ValueError) as err:
-        parse(toml=toml, tmp_path=tmp_path)
+        parse_job_config(toml=toml, tmp_path=tmp_path)
     assert f"[lowbit] {key}" in str(err.value) and choices in str(err.value)
 
 
@@ -72,7 +61,7 @@ def test_bad_lowbit_value_names_key_and_choices(tmp_path, key, value, choices):
 def test_bad_block_size(tmp_path, block):
     toml = f'[job]\ncustom_config_module = "titan_lowbit.config"\n[lowbit]\nblock_size = {block}\n'
     with pytest.raises(ValueError, match=r"\[lowbit\] block_size"):
-        parse(toml=toml, tmp_path=tmp_path)
+        parse_job_config(toml=toml, tmp_path=tmp_path)
 
 
 @pytest.mark.parametrize("key,value,kind", [
@@ -85,7 +74,7 @@ def test_lowbit_value_of_the_wrong_type_is_refused(tmp_path, key, value, kind):
     a bool would read as true."""
     toml = f'[job]\ncustom_config_module = "titan_lowbit.config"\n[lowbit]\n{key} = {value}\n'
     with pytest.raises(ValueError, match=rf"\[lowbit\] {key} = .* must be a (TOML )?{kind}"):
-        parse(toml=toml, tmp_path=tmp_path)
+        parse_job_config(toml=toml, tmp_path=tmp_path)
 
 
 @pytest.mark.parametrize("name,lowbit,early,match", [
@@ -112,7 +101,7 @@ def test_optimizer_settings_that_would_be_ignored_are_refused(name, lowbit, earl
 def test_unknown_converter_lists_registered_ones():
     from torchtitan.protocols.model_converter import build_model_converters
 
-    cfg = parse("--job.config_file", str(DEBUG_CONFIG), "--model.converters", "bitnt")
+    cfg = parse_job_config("--job.config_file", str(DEBUG_CONFIG), "--model.converters", "bitnt")
     with pytest.raises(ValueError) as err:
         build_model_converters(cfg, parallel_dims=None)
     assert "'bitnt'" in str(err.value) and "'bitnet'" in str(err.value)
@@ -255,16 +244,16 @@ def test_tokenizer_comes_from_the_corpus_unless_the_config_names_one(tmp_path):
     (tmp_path / "data" / "tokenizer" / "tokenizer.json").write_text("{}")
     base = ["--job.config_file", str(DEBUG_CONFIG), "--training.dataset_path",
             str(tmp_path / "data")]
-    cfg = parse(*base)
+    cfg = parse_job_config(*base)
     resolve_tokenizer(cfg)
     assert cfg.model.hf_assets_path == str(tmp_path / "data" / "tokenizer")
-    cfg = parse(*base, "--model.hf_assets_path", "my/tokenizer")
+    cfg = parse_job_config(*base, "--model.hf_assets_path", "my/tokenizer")
     resolve_tokenizer(cfg)
     assert cfg.model.hf_assets_path == "my/tokenizer"
-    cfg = parse(*base, "--training.dataset", "c4_test")
+    cfg = parse_job_config(*base, "--training.dataset", "c4_test")
     resolve_tokenizer(cfg)
     assert cfg.model.hf_assets_path == "./tests/assets/tokenizer"  # torchtitan's default
-    cfg = parse("--job.config_file", str(DEBUG_CONFIG), "--training.dataset_path",
+    cfg = parse_job_config("--job.config_file", str(DEBUG_CONFIG), "--training.dataset_path",
                 str(tmp_path / "none"))
     with pytest.raises(FileNotFoundError, match=r"\[training\] dataset_path = .*--out"):
         resolve_tokenizer(cfg)

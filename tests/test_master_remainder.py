@@ -138,11 +138,11 @@ def test_kernel_twins_give_the_reference_bits():
 def test_fused_kernel_matches_reference(fmt):
     """One interpreted launch over ragged shapes against the reference, bit for bit, and
     with the non-finite guard (poisoned blocks keep weight and remainder)."""
-    import test_optim_kernels as TK
+    from adamw_kernel_cases import step_against_reference
 
-    TK._run(fmt, torch.bfloat16, K.UPDATE_MASTER_REMAINDER, seed=1)
+    step_against_reference(fmt, torch.bfloat16, K.UPDATE_MASTER_REMAINDER, seed=1)
     if fmt in ("8bit", "fp32"):
-        TK._run(fmt, torch.bfloat16, K.UPDATE_MASTER_REMAINDER, seed=5, guard=True)
+        step_against_reference(fmt, torch.bfloat16, K.UPDATE_MASTER_REMAINDER, seed=5, guard=True)
 
 
 # high halves of exact ties: zero, a subnormal, even and odd normal ones, bf16's largest (odd:
@@ -352,7 +352,7 @@ def test_a_checkpoint_of_the_other_master_layout_is_refused_naming_the_setting(s
 def test_the_toml_option_reaches_the_optimizer_and_the_start_up_line():
     """[lowbit] weight_update = "master_remainder" parses, the builder passes it to every
     optimizer, and the start-up line shows the state bytes per parameter (2 below master's)."""
-    from test_integration import parse
+    from conftest import parse_job_config
     from torchtitan.components.optimizer import build_optimizers
     from torchtitan.config import Optimizer as OptimizerConfig
 
@@ -360,7 +360,7 @@ def test_the_toml_option_reaches_the_optimizer_and_the_start_up_line():
     from titan_lowbit.config import LowBit
     from titan_lowbit.torchtitan.optimizer_builder import build_lowbit_optimizers, describe
 
-    cfg = parse("--job.config_file", str(DEBUG_CONFIG), "--lowbit.weight_update", "master_remainder")
+    cfg = parse_job_config("--job.config_file", str(DEBUG_CONFIG), "--lowbit.weight_update", "master_remainder")
     assert cfg.lowbit.weight_update == "master_remainder"
     lines = {}
     for update in ("master", "master_remainder"):
@@ -389,10 +389,10 @@ def _scenarios(rank):
     res = {}
 
     # the FSDP2 tests' bf16 model (35 rows a rank, ragged blocks) and training loop
-    from test_optim_fsdp import _model, _sharded_model, _train as train
+    from conftest import sharded_small_model, small_bf16_model, train_mean_square as train
 
     def sharded_model():
-        return _sharded_model(mesh)
+        return sharded_small_model(mesh)
 
     torch.manual_seed(1)
     xs = [torch.randn(4, 300).to(torch.bfloat16) for _ in range(5)]
@@ -401,7 +401,7 @@ def _scenarios(rank):
     # the remainder states are DTensors placed like their parameters.
     res["sharded_equal"] = {}
     for fmt in FORMATS:
-        ref, sh = _model(), sharded_model()
+        ref, sh = small_bf16_model(), sharded_model()
         opt_ref = LowBitAdamW(list(ref.named_parameters()), state_format=fmt, **kw)
         opt_sh = LowBitAdamW(list(sh.named_parameters()), state_format=fmt, **kw)
         train(ref, opt_ref, xs[:3])

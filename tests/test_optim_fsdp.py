@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import run_on_gloo
+from conftest import run_on_gloo, sharded_small_model, small_bf16_model, train_mean_square
 
 WORLD = 2
 # (state format, parameter dtype, bf16 update) beyond the main 4-bit + stochastic case.
@@ -22,30 +22,6 @@ FORMAT_CASES = [("8bit", torch.float32, "nearest"), ("fp8", torch.float32, "near
                 ("fp32", torch.float32, "nearest"), ("8bit", torch.bfloat16, "kahan"),
                 ("bf16", torch.bfloat16, "master"), ("fp8", torch.bfloat16, "nearest")]
 
-
-
-def _model(seed=0):
-    torch.manual_seed(seed)
-    # 70 rows: odd per-rank split is fine (35 each); 4-bit blocks of 128 along 300 columns.
-    return nn.Sequential(nn.Linear(300, 70), nn.LayerNorm(70), nn.Linear(70, 130, bias=False)).to(torch.bfloat16)
-
-
-def _sharded_model(mesh):
-    """_model() under FSDP2: each linear its own group, the rest (the norm) the root's."""
-    from torch.distributed.fsdp import fully_shard
-
-    m = _model()
-    for mod in [x for x in m if isinstance(x, nn.Linear)] + [m]:
-        fully_shard(mod, mesh=mesh)
-    return m
-
-
-def _train(model, opt, xs):
-    """One step per input on the mean square of the model's output."""
-    for x in xs:
-        opt.zero_grad()
-        model(x).float().square().mean().backward()
-        opt.step()
 
 
 def _scenarios(rank):
@@ -62,13 +38,13 @@ def _scenarios(rank):
     res = {}
 
     def sharded_model():
-        return _sharded_model(mesh)
+        return sharded_small_model(mesh)
 
-    train = _train
+    train = train_mean_square
 
     torch.manual_seed(1)
     xs = [torch.randn(4, 300).to(torch.bfloat16) for _ in range(6)]
-    ref = _model()
+    ref = small_bf16_model()
     opt_r = LowBitAdamW(list(ref.named_parameters()), **kw)
     sh = sharded_model()
     opt_s = LowBitAdamW(list(sh.named_parameters()), **kw)
@@ -88,8 +64,8 @@ def _scenarios(rank):
     res["formats_max_diff"] = {}
     for fmt, dtype, update in FORMAT_CASES:
         kw_f = dict(kw, state_format=fmt, weight_update=update)
-        ref_f = _model().to(dtype)
-        sh_f = _model().to(dtype)
+        ref_f = small_bf16_model().to(dtype)
+        sh_f = small_bf16_model().to(dtype)
         for mod in sh_f:
             if isinstance(mod, nn.Linear):
                 fully_shard(mod, mesh=mesh)

@@ -18,8 +18,8 @@ from titan_lowbit.kernels import adamw_lowbit as K
 from titan_lowbit.kernels import adamw_lowbit_ref as R
 from titan_lowbit.kernels import quant_maps as Q
 
-CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
+from adamw_kernel_cases import (CUDA, DEV, FORMATS, SHAPES, assert_matches_reference, clone_tensor,
+                                make_tensor, step_against_reference)
 
 
 def test_every_kernel_runs_as_the_session_chose():
@@ -56,179 +56,6 @@ def test_loops_with_run_time_bounds_iterate_as_range():
     for args in ((0,), (5,), (0, 5), (3, 10, 4), (2, 2), (7, 3), (1, 130, 32)):
         assert list(loops._interpreted_range(*args, flatten=True)) == list(range(*args)), args
 
-FORMATS = {  # name: (m codec, v codec, block)
-    "8bit": (Q.CODEC_DYN8_SIGNED, Q.CODEC_DYN8_UNSIGNED, 256),
-    "4bit": (Q.CODEC_DYN4_SIGNED, Q.CODEC_LIN4_NOZERO, 128),
-    "fp8": (Q.CODEC_FP8_E4M3, Q.CODEC_FP8_E4M3, 128),
-    "fp32": (Q.CODEC_NONE, Q.CODEC_NONE, 256),
-    "bf16": (Q.CODEC_NONE, Q.CODEC_NONE, 256),
-}
-# Ragged shapes: rows not a multiple of anything, 1-D, tiny, odd last dims, a partial block
-# per row, a 3-D tensor, an exactly aligned one.
-SHAPES = [(3, 300), (257,), (5, 33), (2, 3, 64), (7,), (4, 512), (1, 129)]
-
-
-def _spread(x, gen, spread):
-    """x with each element scaled by 10**-u, u uniform in [0, spread): 0 leaves x as is."""
-    return x * 10.0 ** (-spread * torch.rand(x.shape, generator=gen)) if spread else x
-
-
-def _make(cfg, shape, gen, small_block_quant=True, sr_dense=False, spread=0.0, sr_below_2_32=False):
-    rows = 1 if len(shape) == 1 else int(torch.tensor(shape[:-1]).prod())
-    cols = shape[-1]
-    p = torch.randn(shape, generator=gen).to(cfg.param_dtype)
-
-    def moment(codec, signed):
-        x = _spread(torch.randn(rows, cols, generator=gen), gen, spread)
-        x = x if signed else x.abs() * 1e-2
-        if codec == Q.CODEC_NONE:
-            return x.view(shape).to(torch.bfloat16 if cfg.state_bf16 else torch.float32).contiguous(), None
-        codes, absmax = R.quantize_blockwise(x, codec, cfg.block)
-        return codes, absmax
-
-    m, ms = moment(cfg.m_codec, True)
-    v, vs = moment(cfg.v_codec, False)
-    extra = None
-    if cfg.param_dtype == torch.bfloat16 and cfg.weight_update == K.UPDATE_MASTER:
-        extra = p.float() + torch.randn(shape, generator=gen) * 1e-3
-    elif cfg.param_dtype == torch.bfloat16 and cfg.weight_update == K.UPDATE_KAHAN:
-        extra = (torch.randn(shape, generator=gen) * 1e-3).to(torch.bfloat16)
-    elif cfg.param_dtype == torch.bfloat16 and cfg.weight_update == K.UPDATE_MASTER_REMAINDER:
-        extra = torch.randint(-(2**15), 2**15, shape, generator=gen, dtype=torch.int16)
-    mv = lambda x: None if x is None else x.to(DEV)  # noqa: E731
-    stride = cols if sr_dense else cols + 3
-    # sr_below_2_32: the tensor's last global index is 2**32 - 1 (the kernel's 32-bit
-    # index path; lo reaches 0xFFFFFFFF); otherwise anywhere below 2**40 (64-bit path)
-    sr_base = (2**32 - (rows - 1) * stride - cols if sr_below_2_32
-               else int(torch.randint(0, 2**40, (1,), generator=gen)))
-    return K.AdamWTensor(mv(p), mv(m), mv(v), mv(ms), mv(vs), mv(extra), rows, cols,
-                         sr_base=sr_base, sr_row_stride=stride,
-                         sr_key=int(torch.randint(0, 2**32, (1,), generator=gen)))
-
-
-def _clone(t):
-    c = lambda x: None if x is None else x.clone()  # noqa: E731
-    return K.AdamWTensor(c(t.param), c(t.exp_avg), c(t.exp_avg_sq), c(t.exp_avg_scale), c(t.exp_avg_sq_scale),
-                         c(t.extra), t.rows, t.cols, t.sr_base, t.sr_row_stride, t.sr_key, t.flag_index)
-
-
-def _compare_codes(name, a, b, codec):
-    if not CUDA:
-        assert torch.equal(a, b), f"{name}: {(a != b).sum().item()} codes differ"
-        return
-    # GPU: fused multiply-adds may move a value across a rounding boundary: one code step.
-    ai, bi = a.to(torch.int32), b.to(torch.int32)
-    if codec in R.PACKED_4BIT:
-        ai = torch.stack([ai & 15, ai >> 4], -1)
-        bi = torch.stack([bi & 15, bi >> 4], -1)
-    ne = (ai != bi)
-    assert ne.float().mean().item() <= 2e-3, f"{name}: {ne.sum().item()} codes differ"
-    va, vb = R.decode(ai[ne], codec), R.decode(bi[ne], codec)
-    assert torch.all((va - vb).abs() <= 0.2), f"{name}: codes differ by more than one step"
-
-
-def _run(fmt, pdtype, update, decoupled=True, lr_tensor=False, grad_dtype=None, seed=0, elems=512,
-         sr_dense=False, spread=0.0, sr_below_2_32=False, tiles=None, guard=False, shapes=SHAPES):
-    """One fused launch over ``shapes`` against the reference. ``guard``: with the
-    non-finite guard, and inf/nan in one block of every other tensor's gradient."""
-    mc, vc, block = FORMATS[fmt]
-    cfg = K.AdamWConfig(mc, vc, fmt == "bf16", block, update, decoupled, pdtype, grad_dtype or pdtype)
-    gen = torch.Generator().manual_seed(seed)
-    ts = [_make(cfg, s, gen, sr_dense=sr_dense, spread=spread, sr_below_2_32=sr_below_2_32) for s in shapes]
-    grads = [_spread(torch.randn(t.param.shape, generator=gen), gen, spread).to(cfg.grad_dtype).to(DEV)
-             for t in ts]
-    guards = poisoned = None
-    if guard:
-        for i, t in enumerate(ts):
-            t.flag_index = len(ts) - 1 - i  # not the slot: the caller's numbering
-        poisoned = {}
-        for i, g in enumerate(grads[::2]):
-            at = int(torch.randint(0, g.numel(), (1,), generator=gen))
-            g.view(-1)[at] = (float("nan"), float("inf"), -float("inf"))[i % 3]
-            poisoned[2 * i] = at
-        before = [_clone(t) for t in ts]
-        guards = [K.NonfiniteGuard(torch.full((len(ts) + 1,), 3, dtype=torch.int32, device=DEV), tag=11)
-                  for _ in range(2)]
-    ref = [_clone(t) for t in ts]
-    lr = torch.tensor(3e-3, device=DEV) if lr_tensor else 3e-3
-    hyper = K.AdamWHyper(lr=lr, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=5)
-    plan = K.FusedAdamW(cfg, ts, elems_per_program=elems, num_warps=4)
-    assert plan.sr_idx32 == sr_below_2_32
-    if tiles is not None:
-        plan.tiles_per_program = tiles
-        # several programs, the last one short
-        assert plan.n_tiles > 2 * tiles and (tiles == 1 or plan.n_tiles % tiles), plan.n_tiles
-    plan.step(grads, hyper, None if guards is None else guards[0])
-    R.adamw_step_reference(cfg, ref, grads, hyper, None if guards is None else guards[1])
-    _assert_matches_reference(cfg, ts, ref, f"{fmt} {pdtype} update={update}")
-    if guard:
-        flagged = {ts[i].flag_index for i in poisoned}
-        for g in guards:  # flagged entries get the tag, the others keep what they held
-            assert g.flags.tolist() == [11 if j in flagged else 3 for j in range(len(ts) + 1)]
-        for i, at in poisoned.items():
-            _assert_block_kept(cfg, before[i], ts[i], ref[i], at)
-
-
-def _assert_block_kept(cfg, before, kernel, ref, at):
-    """The quantization block holding element ``at`` is as it was, in the kernel's and in
-    the reference's result, and the tensor's other blocks were stepped."""
-    row, col = divmod(at, before.cols)
-    b0 = col // cfg.block * cfg.block
-    cols = slice(b0, min(b0 + cfg.block, before.cols))
-    packed = cfg.m_codec in R.PACKED_4BIT
-    ccols = slice(b0 // 2, (cols.stop + 1) // 2) if packed else cols
-    for t in (kernel, ref):
-        for name in ("param", "extra", "exp_avg", "exp_avg_sq"):
-            x, y = getattr(before, name), getattr(t, name)
-            if x is None:
-                continue
-            sel = ccols if name.startswith("exp") and cfg.m_codec != Q.CODEC_NONE else cols
-            if name.startswith("exp") and cfg.m_codec == Q.CODEC_NONE and before.rows * before.cols == x.numel():
-                x, y = x.reshape(before.rows, before.cols), y.reshape(before.rows, before.cols)
-            x, y = x.reshape(before.rows, -1), y.reshape(before.rows, -1)
-            assert torch.equal(x[row, sel], y[row, sel]), f"{name} of the poisoned block changed"
-        for name in ("exp_avg_scale", "exp_avg_sq_scale"):
-            x, y = getattr(before, name), getattr(t, name)
-            if x is not None:
-                x, y = x.reshape(before.rows, -1), y.reshape(before.rows, -1)
-                assert torch.equal(x[row, b0 // cfg.block], y[row, b0 // cfg.block])
-        if before.param.numel() > cols.stop - cols.start:
-            assert not torch.equal(before.param, t.param), "the other blocks were not stepped"
-
-
-def _assert_matches_reference(cfg, ts, ref, label):
-    """Kernel-stepped tensors ``ts`` against reference-stepped ``ref``: bit for bit under
-    the interpreter, to the GPU tolerances of the module docstring on a GPU."""
-    mc, vc, pdtype = cfg.m_codec, cfg.v_codec, cfg.param_dtype
-    for a, b in zip(ts, ref):
-        where = f"{label} shape={tuple(a.param.shape)}"
-        for name in ("exp_avg", "exp_avg_sq"):
-            x, y = getattr(a, name), getattr(b, name)
-            if mc == Q.CODEC_NONE:
-                tol = 0 if not CUDA else (1e-6 if x.dtype == torch.float32 else 1e-2)
-                torch.testing.assert_close(x.float(), y.float(), rtol=tol, atol=tol, msg=f"{where} {name}")
-            else:
-                _compare_codes(f"{where} {name}", x, y, mc if name == "exp_avg" else vc)
-                sa, sb = getattr(a, name + "_scale"), getattr(b, name + "_scale")
-                tol = 0 if not CUDA else 1e-5
-                torch.testing.assert_close(sa, sb, rtol=tol, atol=0, msg=f"{where} {name} absmax")
-        if not CUDA:
-            assert torch.equal(a.param.view(-1).view(torch.int16 if pdtype == torch.bfloat16 else torch.int32),
-                               b.param.view(-1).view(torch.int16 if pdtype == torch.bfloat16 else torch.int32)), where
-            if a.extra is not None:
-                assert torch.equal(a.extra, b.extra), where
-        else:
-            # one bf16 ulp (stochastic: the random bits are the same, the sum may differ by 1 ulp of fp32)
-            tol = 1e-5 if pdtype == torch.float32 else 8e-3
-            torch.testing.assert_close(a.param.float(), b.param.float(), rtol=tol, atol=1e-6, msg=where)
-            if a.extra is not None and a.extra.dtype == torch.int16:  # remainders: the masters they rebuild
-                torch.testing.assert_close(R.master_rebuild(a.param.cpu(), a.extra.cpu()),
-                                           R.master_rebuild(b.param.cpu(), b.extra.cpu()), rtol=1e-5, atol=1e-6,
-                                           msg=where)
-            elif a.extra is not None:
-                torch.testing.assert_close(a.extra.float(), b.extra.float(), rtol=1e-2, atol=1e-5, msg=where)
-
-
 def test_launch_passes_arguments_in_the_kernels_order(monkeypatch):
     """FusedAdamW.launch passes every argument positionally (the direct launch of a
     compiled kernel takes them so): the launch's argument list must name the kernel's
@@ -238,7 +65,7 @@ def test_launch_passes_arguments_in_the_kernels_order(monkeypatch):
     names = list(inspect.signature(K._adamw_lowbit_kernel.fn).parameters)
     mc, vc, block = FORMATS["8bit"]
     cfg = K.AdamWConfig(mc, vc, False, block, K.UPDATE_KAHAN, False, torch.bfloat16, torch.bfloat16)
-    ts = [_make(cfg, (3, 300), torch.Generator().manual_seed(0))]
+    ts = [make_tensor(cfg, (3, 300), torch.Generator().manual_seed(0))]
     plan = K.FusedAdamW(cfg, ts, elems_per_program=512, num_warps=4)
     plan.point_at([torch.zeros_like(ts[0].param)])
     seen = []
@@ -274,8 +101,8 @@ def test_launch_cache_follows_what_triton_specializes_on():
     mc, vc, block = FORMATS[fmt]
     cfg = K.AdamWConfig(mc, vc, False, block, K.UPDATE_STOCHASTIC, True, torch.bfloat16, torch.bfloat16)
     gen = torch.Generator().manual_seed(7)
-    ts = [_make(cfg, s, gen) for s in SHAPES]
-    ref = [_clone(t) for t in ts]
+    ts = [make_tensor(cfg, s, gen) for s in SHAPES]
+    ref = [clone_tensor(t) for t in ts]
     numel = [t.param.numel() for t in ts]
     plan = K.FusedAdamW(cfg, ts, elems_per_program=512, num_warps=4)
     assert not plan.aligned  # ragged rows: any gradient alignment joins this plan
@@ -297,7 +124,7 @@ def test_launch_cache_follows_what_triton_specializes_on():
         hyper = K.AdamWHyper(lr=lr, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=wd, step=step)
         assert plan.step(grads, hyper)
         R.adamw_step_reference(cfg, ref, [g.clone() for g in grads], hyper)
-        _assert_matches_reference(cfg, ts, ref, f"step {step} (offset {off}, lr {lr!r}, wd {wd!r})")
+        assert_matches_reference(cfg, ts, ref, f"step {step} (offset {off}, lr {lr!r}, wd {wd!r})")
         if CUDA:
             keys.add(plan._compiled[0])
     if CUDA:  # fp32 / fp64 / bf16 lr tensors, the tables' pointer as the float lr's stand-in
@@ -306,13 +133,13 @@ def test_launch_cache_follows_what_triton_specializes_on():
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_kernel_matches_reference_fp32_params(fmt):
-    _run(fmt, torch.float32, K.UPDATE_NEAREST)
+    step_against_reference(fmt, torch.float32, K.UPDATE_NEAREST)
 
 
 @pytest.mark.parametrize("fmt", ["8bit", "4bit", "fp8", "bf16"])
 @pytest.mark.parametrize("update", ["nearest", "stochastic", "kahan", "master"])
 def test_kernel_matches_reference_bf16_params(fmt, update):
-    _run(fmt, torch.bfloat16, K.WEIGHT_UPDATES[update], seed=1)
+    step_against_reference(fmt, torch.bfloat16, K.WEIGHT_UPDATES[update], seed=1)
 
 
 @pytest.mark.parametrize("fmt,update", [("8bit", "stochastic"), ("4bit", "kahan"), ("fp8", "master"),
@@ -322,14 +149,14 @@ def test_kernel_matches_reference_for_any_tiles_per_program(fmt, update, tiles):
     """A program steps several tiles in order: the same result for any number of tiles per
     program, where the last program holds fewer tiles than the others (the table's tile
     count is not a multiple of 3 or 5 here) and the tiles of one program span tensors."""
-    _run(fmt, torch.bfloat16, K.WEIGHT_UPDATES[update], seed=7, elems=256, tiles=tiles)
+    step_against_reference(fmt, torch.bfloat16, K.WEIGHT_UPDATES[update], seed=7, elems=256, tiles=tiles)
 
 
 @pytest.mark.parametrize("fmt", ["8bit", "4bit"])
 def test_kernel_matches_reference_across_twenty_decades(fmt):
     """States and gradients spread over 1e-20..1 within a block: normalized values fall in
     every encode bucket, below the kernel's shared-memory bucket window (2**-31) too."""
-    _run(fmt, torch.float32, K.UPDATE_NEAREST, seed=3, spread=20.0)
+    step_against_reference(fmt, torch.float32, K.UPDATE_NEAREST, seed=3, spread=20.0)
 
 
 @pytest.mark.parametrize("fmt,pdtype,update", [
@@ -341,8 +168,8 @@ def test_nonfinite_guard_leaves_poisoned_blocks_and_flags_their_tensors(fmt, pdt
     written (weight, moments, absmax, extra state), the rest of its tensor and every other
     tensor step as the reference does, and the flags of exactly the poisoned tensors get
     the step's tag; ragged shapes (masked launch) and whole tiles only (unmasked loads)."""
-    _run(fmt, pdtype, K.WEIGHT_UPDATES[update], seed=5, guard=True)
-    _run(fmt, pdtype, K.WEIGHT_UPDATES[update], seed=6, guard=True, shapes=[(4, 512), (2, 1024), (8, 256)])
+    step_against_reference(fmt, pdtype, K.WEIGHT_UPDATES[update], seed=5, guard=True)
+    step_against_reference(fmt, pdtype, K.WEIGHT_UPDATES[update], seed=6, guard=True, shapes=[(4, 512), (2, 1024), (8, 256)])
 
 
 @pytest.mark.skipif(not CUDA, reason="registers and spills of the compiled kernel")
@@ -355,7 +182,7 @@ def test_guarded_kernel_fits_its_register_cap_without_spills(fmt, pdtype, update
     mc, vc, block = FORMATS[fmt]
     cfg = K.AdamWConfig(mc, vc, fmt == "bf16", block, K.WEIGHT_UPDATES[update], True, pdtype, pdtype)
     gen = torch.Generator().manual_seed(0)
-    ts = [_make(cfg, (64, 1024), gen)]
+    ts = [make_tensor(cfg, (64, 1024), gen)]
     grads = [torch.randn(64, 1024, generator=gen).to(pdtype).to(DEV)]
     plan = K.FusedAdamW(cfg, ts)
     guard = K.NonfiniteGuard(torch.zeros(1, dtype=torch.int32, device=DEV), 1)
@@ -366,9 +193,9 @@ def test_guarded_kernel_fits_its_register_cap_without_spills(fmt, pdtype, update
 
 
 def test_kernel_matches_reference_adam_l2_lr_tensor_mixed_grads():
-    _run("8bit", torch.bfloat16, K.UPDATE_STOCHASTIC, decoupled=False, lr_tensor=True,
+    step_against_reference("8bit", torch.bfloat16, K.UPDATE_STOCHASTIC, decoupled=False, lr_tensor=True,
          grad_dtype=torch.float32, seed=2, elems=256)
-    _run("4bit", torch.float32, K.UPDATE_NEAREST, decoupled=False, lr_tensor=True, seed=3, elems=2048)
+    step_against_reference("4bit", torch.float32, K.UPDATE_NEAREST, decoupled=False, lr_tensor=True, seed=3, elems=2048)
 
 
 def test_stochastic_rounding_bits_identical_and_unbiased():
@@ -385,7 +212,7 @@ def test_stochastic_rounding_bits_identical_and_unbiased():
     other = R.bf16_stochastic(x, gidx, 1234, Q.step_key(8)).float()
     assert torch.equal(out, again) and not torch.equal(out, other)
     # Kernel vs reference on the same random update (bit for bit under the interpreter).
-    _run("bf16", torch.bfloat16, K.UPDATE_STOCHASTIC, seed=4)
+    step_against_reference("bf16", torch.bfloat16, K.UPDATE_STOCHASTIC, seed=4)
 
 
 @pytest.mark.parametrize("fmt", ["8bit", "4bit"])
@@ -393,14 +220,14 @@ def test_stochastic_rounding_of_tensors_stored_with_their_global_rows(fmt):
     """The kernel's SR_DENSE path (every tensor's global row stride is its local row length,
     as for unsharded and Shard(0) parameters: the global index is the local offset plus a
     base) gives what the general row * stride + column path and the reference give."""
-    _run(fmt, torch.bfloat16, K.UPDATE_STOCHASTIC, seed=6, sr_dense=True)
+    step_against_reference(fmt, torch.bfloat16, K.UPDATE_STOCHASTIC, seed=6, sr_dense=True)
 
 
 @pytest.mark.parametrize("sr_dense", [False, True])
 def test_stochastic_rounding_with_32_bit_global_indices(sr_dense):
     """When every global index of a launch is below 2**32 the kernel hashes a uint32 index
     (SR_IDX32): the same bits as the 64-bit formula, up to the last index 2**32 - 1."""
-    _run("8bit", torch.bfloat16, K.UPDATE_STOCHASTIC, seed=7, sr_dense=sr_dense, sr_below_2_32=True)
+    step_against_reference("8bit", torch.bfloat16, K.UPDATE_STOCHASTIC, seed=7, sr_dense=sr_dense, sr_below_2_32=True)
 
 
 @pytest.mark.parametrize("idx32", [True, False])
@@ -570,7 +397,7 @@ def test_shared_memory_tables_only_with_a_tested_triton(private_apis, monkeypatc
     monkeypatch.setenv(fence.ENV, private_apis)
     mc, vc, block = FORMATS["8bit"]
     cfg = K.AdamWConfig(mc, vc, False, block, K.UPDATE_NEAREST, True, torch.float32, torch.float32)
-    plan = K.FusedAdamW(cfg, [_make(cfg, (4, 512), torch.Generator().manual_seed(0))], elems_per_program=512)
+    plan = K.FusedAdamW(cfg, [make_tensor(cfg, (4, 512), torch.Generator().manual_seed(0))], elems_per_program=512)
     if private_apis == "1":
         assert plan.smem == K.smem_layout(mc, vc, 512) and plan.smem[2] > 0
     else:

@@ -11,24 +11,11 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from conftest import LAUNCHER_VARIABLE, TRAINING_FINISHED, aborted_at_teardown, run_on_gloo
-
-SCRIPT = """
-import os, sys, torch.distributed as dist
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-if sys.argv[1] == "after" and rank == 0:
-    print(sys.argv[2], flush=True)
-dist.barrier()
-if rank == 1:
-    os.abort()
-dist.destroy_process_group()
-"""
-
+from conftest import LAUNCHER_VARIABLE, RANK_ONE_ABORTS, TRAINING_FINISHED, aborted_at_teardown, run_on_gloo
 
 def torchrun_abort(tmp_path, when: str) -> subprocess.CompletedProcess:
     script = tmp_path / "abort.py"
-    script.write_text(SCRIPT)
+    script.write_text(RANK_ONE_ABORTS)
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          str(script), when, TRAINING_FINISHED],
