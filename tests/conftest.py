@@ -196,6 +196,16 @@ def _remove_new_paths(folder: Path, before: set[Path]) -> None:
             path.unlink()
 
 
+_current_test: pytest.Item | None = None  # the test being set up or run
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Remember the test before its fixtures are set up (a fixture may train, for it)."""
+    global _current_test
+    _current_test = item
+
+
 def run_train(*overrides: str, config: Path = DEBUG_CONFIG, nproc: int = 2, timeout: int = 600,
               check: bool = True, launcher: str = "any") -> subprocess.CompletedProcess:
     """Train with torchtitan's Trainer on the CPU path with ``nproc`` gloo processes: the
@@ -211,6 +221,9 @@ def run_train(*overrides: str, config: Path = DEBUG_CONFIG, nproc: int = 2, time
 
     if launcher not in ("any", "train.sh"):
         raise ValueError(f"launcher={launcher!r}: use 'any' or 'train.sh'")
+    if _current_test is not None and _current_test.get_closest_marker("trainer") is None:
+        raise AssertionError(f"{_current_test.nodeid} runs torchtitan's Trainer: mark it "
+                             "@pytest.mark.trainer, so that `-m 'not trainer'` leaves it out")
     forked = fork_launcher(env) if launcher == "any" else None
     if forked is not None:
         # what train.sh does before it starts torchrun

@@ -6,7 +6,11 @@ plain tensors, and a second run resumes from it.
 
 import math
 
+import pytest
+
 from conftest import ROOT, run_train, step_losses
+
+pytestmark = pytest.mark.trainer  # every test here runs torchtitan's Trainer
 
 CONFIG = ROOT / "train_configs" / "llama3_debug_bitnet.toml"
 

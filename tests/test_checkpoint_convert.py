@@ -132,6 +132,7 @@ def test_conversions_refused_naming_why():
         convert_state_dict(torch_amsgrad.state_dict(), to=eight)
 
 
+@pytest.mark.trainer
 def test_torchtitan_resume_converts_on_request_and_continues_without_a_loss_jump(
         two_process_checkpoint, tmp_path):
     """The fixture (AdamW4bit, bf16 weights + master) resumed at step SAVE_STEP as
@@ -164,6 +165,7 @@ def assert_no_loss_jump(resumed: dict, full: dict, saved_at: int) -> None:
     assert abs(float(resumed[saved_at + 2]) - float(full[saved_at + 2])) <= 1e-3, (resumed, full)
 
 
+@pytest.mark.trainer
 def test_torch_adamw_checkpoint_resumes_as_adamw8bit_on_request(tmp_path, prepared_data):
     """A run of torch's AdamW (fp32 states) resumed as AdamW8bit: the states are taken
     into 8 bits, and training continues as the AdamW run does."""

@@ -72,6 +72,7 @@ def overwrite_optimizer_bytes(step_dir) -> str:
     return index.fqn
 
 
+@pytest.mark.trainer
 def test_interrupted_save_is_skipped_and_resume_continues_identically(two_process_checkpoint,
                                                                        tmp_path):
     fixture_dump, full, overrides = two_process_checkpoint
@@ -93,6 +94,7 @@ def test_interrupted_save_is_skipped_and_resume_continues_identically(two_proces
     assert sorted(os.listdir(dump / "checkpoint")) == [f"step-{SAVE_STEP}", f"step-{LAST}"]
 
 
+@pytest.mark.trainer
 def test_damaged_checkpoint_stops_the_run_naming_folder_tensor_and_fallback(
         two_process_checkpoint, tmp_path):
     fixture_dump, _, overrides = two_process_checkpoint
@@ -108,6 +110,7 @@ def test_damaged_checkpoint_stops_the_run_naming_folder_tensor_and_fallback(
         assert text in out, (text, out[-3000:])
 
 
+@pytest.mark.trainer
 def test_truncated_missing_and_unreadable_files_are_named(two_process_checkpoint, tmp_path):
     """The checks of a checkpoint without a manifest (written before titan_lowbit wrote
     one): files and sizes against the index, each tensor record against its own CRC-32."""
@@ -177,6 +180,7 @@ def add_one_to_the_step(step_dir) -> None:
         f.write(bytes([LAST + 1]))
 
 
+@pytest.mark.trainer
 def test_manifest_names_swapped_edited_moved_and_dropped_records(two_process_checkpoint, tmp_path):
     """Every save writes a manifest (each record's place, length and CRC-32); against it
     a swap of two records, a changed non-tensor record and an index that moves or drops
@@ -227,6 +231,7 @@ def test_manifest_names_swapped_edited_moved_and_dropped_records(two_process_che
     assert problems[0].startswith(f"{MANIFEST} cannot be read: JSONDecodeError("), problems
 
 
+@pytest.mark.trainer
 def test_swapped_and_edited_records_stop_the_resume_naming_them(two_process_checkpoint, tmp_path):
     fixture_dump, _, overrides = two_process_checkpoint
 
@@ -391,6 +396,7 @@ def keep_model_only(step_dir) -> None:
         "optimizer", "lr_scheduler", "dataloader", "train_state"))
 
 
+@pytest.mark.trainer
 def test_model_only_checkpoint_stops_naming_the_full_checkpoints(two_process_checkpoint,
                                                                  tmp_path):
     fixture_dump, _, overrides = two_process_checkpoint
@@ -406,6 +412,7 @@ def test_model_only_checkpoint_stops_naming_the_full_checkpoints(two_process_che
     assert "optimizer layout" not in out and "torch Adam/AdamW" not in out, out[-3000:]
 
 
+@pytest.mark.trainer
 def test_resume_on_another_process_count_names_the_dataloader_fix(two_process_checkpoint,
                                                                   tmp_path):
     dump, _, overrides = two_process_checkpoint
@@ -418,6 +425,7 @@ def test_resume_on_another_process_count_names_the_dataloader_fix(two_process_ch
         assert text in out, (text, out[-3000:])
 
 
+@pytest.mark.trainer
 def test_adam_resuming_an_adamw_checkpoint_names_the_optimizer_name(two_process_checkpoint,
                                                                     tmp_path):
     dump, _, overrides = two_process_checkpoint  # written by AdamW4bit
@@ -430,6 +438,7 @@ def test_adam_resuming_an_adamw_checkpoint_names_the_optimizer_name(two_process_
         assert text in out, (text, out[-3000:])
 
 
+@pytest.mark.trainer
 def test_resume_with_bitnet_added_names_the_converters_and_a_new_run_may_start_from_it(
         two_process_checkpoint, tmp_path):
     """A BitNet weight's checkpoint entry is its plain latent weight, so only the record
@@ -460,6 +469,7 @@ def drop_conversion_record(step_dir) -> None:
     keep_entries(step_dir, lambda k: not k.startswith(ckpt.RECORD + "."), manifest=False)
 
 
+@pytest.mark.trainer
 def test_checkpoint_without_conversion_record_resumes_identically(two_process_checkpoint, tmp_path):
     fixture_dump, full, overrides = two_process_checkpoint
     dump = dump_with(tmp_path, fixture_dump, drop_conversion_record)  # step-LAST edited

@@ -137,6 +137,7 @@ def test_train_specs_are_wrapped_and_flavor_registered():
     assert 1.09e9 < sum(p.numel() for p in model.parameters()) < 1.11e9
 
 
+@pytest.mark.trainer
 def test_weight_dtype_casts_parameters_not_buffers():
     from titan_lowbit.torchtitan.train_spec import cast_parameters
     from torchtitan.protocols.train_spec import get_train_spec
@@ -265,6 +266,7 @@ def test_tokenizer_comes_from_the_corpus_unless_the_config_names_one(tmp_path):
     (("--optimizer.name", "AdamW9bit"), ["'AdamW9bit'", "'AdamW8bit'"], "train.sh"),
     (("--model.converters", "bitnt"), ["'bitnt'", "'bitnet'"], "any"),
 ])
+@pytest.mark.trainer
 def test_launcher_stops_before_training_on_bad_names(override, expect, launcher, prepared_data,
                                                       tmp_path):
     """Through scripts/train.sh and torchrun once; the second name through the tests'

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 try:
     import tomllib
 except ImportError:  # Python 3.10
@@ -83,6 +85,7 @@ def _run(cmd, **kwargs) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.trainer
 def test_non_editable_install_trains_readme_job_from_an_empty_directory(tmp_path):
     try:
         _install_prepare_and_train(tmp_path, readme_job())

@@ -5,6 +5,8 @@ import pytest
 
 from conftest import run_train, step_losses
 
+pytestmark = pytest.mark.trainer  # every test here runs torchtitan's Trainer
+
 STEPS = 3
 
 

@@ -12,6 +12,8 @@ import pytest
 from conftest import (DEBUG_CONFIG, ROOT, SAVE_STEP, cpu_run_env, resume_folder, run_train,
                       step_losses, torchrun)
 
+pytestmark = pytest.mark.trainer  # every test here runs torchtitan's Trainer
+
 
 def reshard_check(nproc: int, *args: str) -> subprocess.CompletedProcess:
     """tests/reshard_check.py on ``nproc`` gloo processes. It only reads the checkpoint,

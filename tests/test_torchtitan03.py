@@ -409,6 +409,7 @@ def straight_run(tmp_path_factory, prepared_data):
     return dump, log
 
 
+@pytest.mark.trainer
 def test_debug_config_trains_with_8bit_states_and_master_remainder(straight_run):
     dump, log = straight_run
     assert "titan_lowbit fp32 states, weights bfloat16, bf16 update master_remainder" in log
@@ -423,6 +424,7 @@ def test_debug_config_trains_with_8bit_states_and_master_remainder(straight_run)
     assert not noise, noise  # the CPU path prints none of the warnings that are wrong there
 
 
+@pytest.mark.trainer
 def test_resume_from_step_4_ends_bit_for_bit_where_the_straight_run_ends(straight_run, tmp_path):
     dump, log = straight_run
     resumed = tmp_path / "resumed"
@@ -441,6 +443,7 @@ def test_resume_from_step_4_ends_bit_for_bit_where_the_straight_run_ends(straigh
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.trainer
 def test_two_process_checkpoint_continues_on_one_process(straight_run, tmp_path):
     dump, log = straight_run
     resumed = tmp_path / "one"
@@ -480,6 +483,7 @@ def test_readme_03_command_trains_from_an_empty_directory(tmp_path, prepared_dat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]
 
 
+@pytest.mark.trainer
 def test_4bit_states_with_stochastic_rounding_through_the_override(tmp_path, prepared_data):
     override = json.dumps({"name": "AdamW4bit", "weight_update": "stochastic"})
     log = train_run(tmp_path, "--override.imports", f"titan_lowbit.torchtitan.v03.lowbit_adamw={override}",
@@ -489,6 +493,7 @@ def test_4bit_states_with_stochastic_rounding_through_the_override(tmp_path, pre
     assert float(losses[6]) < float(losses[1]) - 0.3, losses
 
 
+@pytest.mark.trainer
 def test_bitnet_with_tensor_parallelism_is_refused_at_start_up(tmp_path, prepared_data):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "--local-ranks-filter", "0", "-m", "torchtitan.train", "--module", "titan_lowbit.torchtitan",
@@ -501,12 +506,14 @@ def test_bitnet_with_tensor_parallelism_is_refused_at_start_up(tmp_path, prepare
     assert "step:" not in out
 
 
+@pytest.mark.trainer
 def test_bitnet_with_subln_trains(tmp_path, prepared_data):
     log = train_run(tmp_path, config="llama3_debug_bitnet_subln", steps=4)
     losses = step_losses(log)
     assert sorted(losses) == [1, 2, 3, 4] and float(losses[4]) < float(losses[1]) - 0.3, losses
 
 
+@pytest.mark.trainer
 def test_bitnet_trains_and_resumes_bit_for_bit(tmp_path, prepared_data):
     straight = train_run(tmp_path / "a", *CHECKPOINT, config="llama3_debug_bitnet")
     import re

@@ -21,6 +21,8 @@ from conftest import DEBUG_CONFIG, ROOT, run_once_more_after_teardown_abort, run
 
 from titan_lowbit.torchtitan import cpu_device
 
+pytestmark = pytest.mark.trainer  # every test here runs torchtitan's Trainer
+
 STEPS = 6
 HALF = STEPS // 2
 
