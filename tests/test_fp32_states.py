@@ -233,3 +233,26 @@ def fp32_moments(optimizer, p) -> tuple[torch.Tensor, torch.Tensor]:
     exported = torch.optim.AdamW([q for g in optimizer.param_groups for q in g["params"]])
     exported.load_state_dict(convert_state_dict(optimizer.state_dict(), to=exported))
     return exported.state[p]["exp_avg"], exported.state[p]["exp_avg_sq"]
+
+
+def test_lr_schedulers_take_a_checkpoint_of_another_grouping():
+    """A schedule saved for one param group, loaded into a run whose optimizer has two
+    (fp32_states added): one value per group, so the next step does not stop; groups of
+    other learning rates are refused."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from titan_lowbit.torchtitan.checkpoint_convert import fit_lr_schedulers
+
+    model = Tiny()
+    saved = LambdaLR(list(build(model))[0], lambda step: 0.5)
+    [two_groups] = list(build(model, fp32_states=SELECTION))
+    run = LambdaLR(two_groups, lambda step: 0.5)
+    run.load_state_dict(saved.state_dict())
+    container = type("Schedulers", (), {"schedulers": [run]})()
+    fit_lr_schedulers(container)
+    run.step()
+    assert [g["lr"] for g in two_groups.param_groups] == [0.5 * 1e-2] * 2
+    run.base_lrs = [1e-2, 1e-3, 1e-4]
+    with pytest.raises(ValueError, match=r"LR scheduler holds base_lrs \[0.01, 0.001, 0.0001\] for 3 param "
+                                         r"groups, this run's optimizer has 2"):
+        fit_lr_schedulers(container)

@@ -79,7 +79,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from titan_lowbit.bitnet.weight import local_training_weight
 from titan_lowbit.compat import private_api_ok
 from titan_lowbit.optim.formats import STATE_FORMATS, block_of
-from titan_lowbit.torchtitan.checkpoint_convert import conversion_requested, fp32_selection, load_converted
+from titan_lowbit.torchtitan.checkpoint_convert import (
+    conversion_requested,
+    fit_lr_schedulers,
+    fp32_selection,
+    load_converted,
+)
 from titan_lowbit.torchtitan.checkpoint_manifest import (
     MANIFEST,
     ManifestUnreadable,
@@ -777,7 +782,8 @@ def register() -> None:
     (titan_lowbit/compat.py); otherwise torchtitan checkpoints as it does by itself."""
     if not private_api_ok("torchtitan"):
         return
-    from torchtitan.components.checkpoint import MODEL, OPTIMIZER, AsyncMode, CheckpointManager
+    from torchtitan.components.checkpoint import (
+        LR_SCHEDULER, MODEL, OPTIMIZER, AsyncMode, CheckpointManager)
     from torchtitan.tools.logging import logger
 
     original_load = CheckpointManager.dcp_load
@@ -795,13 +801,15 @@ def register() -> None:
                                       convert=conversion_requested(self))
         try:
             if conversion is None:
-                return original_load(self, state_dict, checkpoint_id, from_hf, from_quantized)
-            # The model first: the conversion builds master weights from the loaded weights.
-            rest = {k: v for k, v in state_dict.items() if k != OPTIMIZER}
-            result = original_load(self, rest, checkpoint_id, from_hf, from_quantized)
-            for line in load_converted(state_dict[OPTIMIZER], checkpoint_id, *conversion):
-                logger.info(f"titan_lowbit: checkpoint {checkpoint_id}: optimizer states converted "
-                            f"([lowbit] convert_optimizer_states): {line}")
+                result = original_load(self, state_dict, checkpoint_id, from_hf, from_quantized)
+            else:
+                # The model first: the conversion builds master weights from the loaded weights.
+                rest = {k: v for k, v in state_dict.items() if k != OPTIMIZER}
+                result = original_load(self, rest, checkpoint_id, from_hf, from_quantized)
+                for line in load_converted(state_dict[OPTIMIZER], checkpoint_id, *conversion):
+                    logger.info(f"titan_lowbit: checkpoint {checkpoint_id}: optimizer states converted "
+                                f"([lowbit] convert_optimizer_states): {line}")
+            fit_lr_schedulers(state_dict.get(LR_SCHEDULER))
             return result
         except (Exception, CheckpointException) as err:  # CheckpointException: BaseException
             crc = os.environ.get(VERIFY_ENV, "crc").lower() != "size"

@@ -157,6 +157,29 @@ def describe_changes(saved: dict[str, dict[str, Any]], have: dict[str, dict[str,
     return lines
 
 
+def fit_lr_schedulers(schedulers) -> None:
+    """Give the loaded LR schedulers (torchtitan's container: the first scheduler's state,
+    loaded into every one) one per-group value for each of their optimizer's groups. The
+    saved state has one value per param group of the optimizer that wrote it, which may
+    group the parameters otherwise (``[lowbit] fp32_states`` adds a group, a conversion may
+    add or drop it, and one model part may have a group that another lacks); torch's
+    scheduler would stop at its next step. All groups of the 0.2 line share
+    ``[optimizer] lr``, so one value serves every group; differing values are refused."""
+    for scheduler in getattr(schedulers, "schedulers", ()):
+        groups = len(scheduler.optimizer.param_groups)
+        for attr in ("base_lrs", "_last_lr"):
+            values = getattr(scheduler, attr, None)
+            if values is None or len(values) == groups:
+                continue
+            if len(set(values)) != 1:
+                raise ValueError(
+                    f"the checkpoint's LR scheduler holds {attr} {values} for {len(values)} param groups, "
+                    f"this run's optimizer has {groups}: resume with the [lowbit] fp32_states it was "
+                    "written with, or start the schedule afresh with --checkpoint.exclude_from_loading "
+                    "lr_scheduler")
+            setattr(scheduler, attr, [values[0]] * groups)
+
+
 def load_converted(container, checkpoint_id: str, saved: dict[str, dict[str, Any]],
                    have: dict[str, dict[str, Any]]) -> list[str]:
     """Load the optimizer states of ``checkpoint_id`` (per-parameter layouts ``saved``)
