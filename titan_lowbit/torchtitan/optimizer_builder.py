@@ -232,7 +232,8 @@ def _fp32_states_share(optimizers: OptimizersContainer, lowbit: LowBit) -> str:
     chosen = [p for g in groups if g["state_format"] == FP32_STATES_FORMAT for p in g["params"]]
     total = sum(p.numel() for g in groups for p in g["params"])
     share = sum(p.numel() for p in chosen) / max(total, 1)
-    return f"; fp32 states for {len(chosen)} params, {share:.1%} of the elements, by [lowbit] fp32_states"
+    return (f"; fp32 states for {len(chosen)} param{'s' if len(chosen) != 1 else ''}, {share:.1%} of the "
+            "elements, by [lowbit] fp32_states")
 
 
 def describe(optimizers: OptimizersContainer, optimizer_name: str, lowbit: LowBit, converters) -> str:
