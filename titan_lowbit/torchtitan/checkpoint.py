@@ -16,7 +16,8 @@ Loading. Before torchtitan's ``CheckpointManager.dcp_load`` reads anything:
   ``TITAN_LOWBIT_VERIFY_CHECKPOINT=size`` keeps the file, size and index checks but skips
   reading the data for the CRCs;
 - :func:`check_compatible` compares the checkpoint's optimizer layout (state format,
-  block size, BF16 update rule, fp32-state threshold) and parameter dtypes with the
+  block size, BF16 update rule, fp32-state threshold), parameter by parameter (``[lowbit]
+  fp32_states`` gives some parameters a group of their own), and parameter dtypes with the
   current run's, and stops with both named: torch.distributed.checkpoint loads into the
   tensors the run allocated, so a 4-bit checkpoint loaded by an 8-bit run fails with a
   bare "Size mismatch", an 8-bit one loaded by an FP8 run (codes of the same shape) would
@@ -92,7 +93,6 @@ from titan_lowbit.torchtitan.checkpoint_manifest import (
     read_manifest,
     write_manifest,
 )
-from titan_lowbit.torchtitan.lowbit_optimizers import is_lowbit
 
 STEP_DIR = re.compile(r"step-(\d+)")  # torchtitan's own pattern (re.search)
 VERIFY_ENV = "TITAN_LOWBIT_VERIFY_CHECKPOINT"
