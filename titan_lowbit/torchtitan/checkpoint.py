@@ -81,6 +81,8 @@ from titan_lowbit.bitnet.weight import local_training_weight
 from titan_lowbit.compat import private_api_ok
 from titan_lowbit.optim.formats import STATE_FORMATS, block_of
 from titan_lowbit.torchtitan.checkpoint_convert import (
+    ANY_GROUP_KEY,
+    GROUP_ENTRY,
     conversion_requested,
     fit_lr_schedulers,
     fp32_selection,
@@ -119,11 +121,6 @@ class CheckpointMismatch(ValueError):
 class CheckpointNotLoaded(RuntimeError):
     """DCP could not load a checkpoint whose files passed the checks, for a reason not
     recognized as a configuration mismatch; the message says what to try."""
-
-
-# A param-group option every group has: its flattened entry names every parameter.
-ANY_GROUP_KEY = "lr"
-GROUP_ENTRY = "param_groups."  # of a flattened optimizer state dict (torchtitan's container)
 
 
 def layouts(flat: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -30,9 +30,13 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_lowbit.config import lowbit_of
 from titan_lowbit.torchtitan.lowbit_optimizers import is_lowbit
+from titan_lowbit.torchtitan.optimizer_builder import FP32_STATES_FORMAT
 
-FP32 = "fp32"  # the state format of [lowbit] fp32_states
 FLATTENED = StateDictOptions(flatten_optimizer_state_dict=True)  # as torchtitan saves them
+# A flattened optimizer state dict's param-group entries, and an option every group has:
+# its entries name every parameter, in the optimizer's order.
+GROUP_ENTRY = "param_groups."
+ANY_GROUP_KEY = "lr"
 # What each converted setting does to the states, for its log line.
 EFFECT = {
     "optimizer": "moments dequantized to fp32 and stored in the new optimizer's format",
@@ -75,10 +79,10 @@ def fp32_selection(layouts: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], 
     the parameters whose states are not fp32 (of all of them where every one is); a
     parameter is selected where its layout is the own one with fp32 states."""
     values = list(layouts.values())
-    own = next((lay for lay in values if lay.get("state_format") != FP32), values[0] if values else {})
-    if own.get("state_format") in (None, FP32):
+    own = next((lay for lay in values if lay.get("state_format") != FP32_STATES_FORMAT), values[0] if values else {})
+    if own.get("state_format") in (None, FP32_STATES_FORMAT):
         return own, []
-    fp32 = {**own, "state_format": FP32}
+    fp32 = {**own, "state_format": FP32_STATES_FORMAT}
     return own, sorted(f for f, lay in layouts.items() if lay == fp32)
 
 
@@ -91,8 +95,8 @@ def _param_fqns(model, optimizer) -> dict[torch.Tensor, str]:
     the flattened state dict lists its param-group entries in the optimizer's parameter
     order (the FQNs without the wrappers' levels that ``named_parameters`` shows)."""
     flat = get_optimizer_state_dict(model, optimizer, options=FLATTENED)
-    fqns = [k[len("param_groups."):-len(".lr")] for k in flat
-            if k.startswith("param_groups.") and k.endswith(".lr")]
+    suffix = "." + ANY_GROUP_KEY
+    fqns = [k[len(GROUP_ENTRY):-len(suffix)] for k in flat if k.startswith(GROUP_ENTRY) and k.endswith(suffix)]
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if len(fqns) != len(params):
         raise ValueError(
@@ -125,10 +129,10 @@ def source_optimizer(run_optimizer, layout_of: dict[torch.Tensor, dict[str, Any]
                   for g in run_optimizer.param_groups]
         return (torch.optim.AdamW if decoupled else torch.optim.Adam)(groups)
     from titan_lowbit.optim import LowBitAdamW
+    from titan_lowbit.optim.adamw import CONVERTIBLE_OPTIONS
 
-    options = ("state_format", "block_size", "weight_update", "min_quantized_numel")
     groups = [{"params": [(names[p], p) for p in run], **{k: g[k] for k in hyper},
-               **{k: layout[k] for k in options}}
+               **{k: layout[k] for k in CONVERTIBLE_OPTIONS}}
               for g in run_optimizer.param_groups
               for layout, run in ((dict(key), list(ps)) for key, ps in
                                   itertools.groupby(g["params"], key=lambda p: _frozen(layout_of[p])))]
