@@ -136,23 +136,27 @@ def test_conversions_refused_naming_why():
 def test_torchtitan_resume_converts_on_request_and_continues_without_a_loss_jump(
         two_process_checkpoint, tmp_path):
     """The fixture (AdamW4bit, bf16 weights + master) resumed at step SAVE_STEP as
-    AdamW8bit with master_remainder: refused by default, naming the key; converted with
-    it, one log line per change, and steps SAVE_STEP + 1, + 2 close to the unconverted
-    run's (its 4-bit states held the same moments less exactly)."""
+    AdamW8bit with master_remainder and the embeddings in fp32 states: refused by default,
+    naming the key and the selection; converted with it, one log line per change, and
+    steps SAVE_STEP + 1, + 2 close to the unconverted run's (its 4-bit states held the
+    same moments less exactly)."""
     dump, full, overrides = two_process_checkpoint
     change = ("--optimizer.name", "AdamW8bit", "--lowbit.weight_update", "master_remainder",
-              "--training.steps", str(SAVE_STEP + 2))
+              "--lowbit.fp32_states", "tok_embeddings", "--training.steps", str(SAVE_STEP + 2))
     out = stopped_run(*overrides, "--job.dump_folder", str(resume_folder(tmp_path / "plain",
                                                                        dump / "checkpoint")), *change)
     assert "--lowbit.convert_optimizer_states" in out, out[-3000:]
+    assert ("[lowbit] fp32_states gave fp32 states to no parameter in the checkpoint, to 1 parameter "
+            "['tok_embeddings.weight'] in this run") in out, out[-3000:]
 
     resumed = resume_folder(tmp_path / "converted", dump / "checkpoint")
     proc = run_train(*overrides, "--job.dump_folder", str(resumed), *change,
                      "--lowbit.convert_optimizer_states")
     lines = [line for line in proc.stdout.splitlines() if "optimizer states converted" in line]
-    assert len(lines) == 3, proc.stdout[-3000:]
+    assert len(lines) == 4, proc.stdout[-3000:]
     for text, line in zip(("state_format '4bit' -> '8bit'", "block_size 128 -> 256",
-                           "weight_update 'master' -> 'master_remainder'"), lines):
+                           "weight_update 'master' -> 'master_remainder'",
+                           "fp32_states: into fp32 states ['tok_embeddings.weight'], out of them none"), lines):
         assert text in line, (text, lines)
     assert_no_loss_jump(step_losses(proc.stdout), full, SAVE_STEP)
 

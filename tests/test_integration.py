@@ -68,6 +68,7 @@ def test_bad_block_size(tmp_path, block):
     ("block_size", '"128"', "int"), ("block_size", "128.0", "int"), ("min_quantized_numel", '"4096"', "int"),
     ("bitnet_int8_backward", '"false"', "bool"), ("bitnet_keep_codes", '"no"', "bool"),
     ("bitnet_filter", "3", "list of strings"), ("bitnet_filter", "[1, 2]", "list of strings"),
+    ("fp32_states", "[1]", "list of strings"), ("fp32_states", '["output", ""]', "list of strings"),
 ])
 def test_lowbit_value_of_the_wrong_type_is_refused(tmp_path, key, value, kind):
     """tyro hands a TOML value of the wrong type through as it is: a string "false" for

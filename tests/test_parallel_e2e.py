@@ -17,16 +17,20 @@ def train(tmp_path, *overrides, nproc=2, check=True):
 
 
 # AdamW4bit with TP runs in test_fsdp_x_tensor_parallel_on_four_processes below (TP 2 x
-# FSDP 2), so every low-bit format trains under tensor parallelism.
-@pytest.mark.parametrize("optimizer", ["AdamW8bit", "AdamWFp8"])
-def test_tensor_parallel_trains_with_every_format(optimizer, tmp_path, prepared_data):
+# FSDP 2), so every low-bit format trains under tensor parallelism. The FP8 run keeps the
+# (TP-sharded) embeddings and head in fp32 states ([lowbit] fp32_states).
+@pytest.mark.parametrize("optimizer,fp32_states", [("AdamW8bit", ""), ("AdamWFp8", "tok_embeddings,output")])
+def test_tensor_parallel_trains_with_every_format(optimizer, fp32_states, tmp_path, prepared_data):
     # debugmodel's attention.wo / feed_forward.w2 are 256 wide and split in 2 along their
     # last dimension: blocks of 128 keep every quantization block inside one shard.
     proc = train(tmp_path, "--parallelism.tensor_parallel_degree", "2",
-                 "--optimizer.name", optimizer, "--lowbit.block_size", "128")
+                 "--optimizer.name", optimizer, "--lowbit.block_size", "128",
+                 *(("--lowbit.fp32_states", fp32_states) if fp32_states else ()))
     losses = {s: float(l) for s, l in step_losses(proc.stdout).items()}
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert losses[STEPS] < losses[1] - 0.4, losses
+    if fp32_states:
+        assert "state format fp8; fp32 states for 2 params" in proc.stdout, proc.stdout[-3000:]
 
 
 def test_tensor_parallel_split_block_is_a_start_up_error(tmp_path, prepared_data):

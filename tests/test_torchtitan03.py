@@ -14,6 +14,7 @@ straight run ends (every model and optimizer tensor of the last checkpoint), and
 
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -107,6 +108,36 @@ def test_torch_adamw_group_with_a_bf16_update_rule_is_lowbit_fp32():
     formats = sorted(g["state_format"] for o in opt for g in o.param_groups)
     assert formats == ["4bit", "fp32"]
     assert all(isinstance(o, LowBitAdamW) for o in opt)
+
+
+def test_param_groups_give_chosen_parameters_fp32_states_as_the_02_lines_fp32_states():
+    """The 0.2 line's ``[lowbit] fp32_states = ["tok_embeddings"]`` on 0.3 (docs/reference.md):
+    a param group per fragment named "AdamW" before the 8-bit one; with bf16 weights and
+    round-to-nearest the AdamW optimizer is titan_lowbit's (through its non-finite policy),
+    so its moments are fp32, not torch's bf16. A fragment that matches nothing is refused
+    by torchtitan, naming it. The start-up line's B/param is the mixed figure."""
+    from titan_lowbit.optim.formats import STATE_FORMATS
+
+    def build(*fragments):
+        return v03.LowBitOptimizersContainer.Config(param_groups=[
+            *[ParamGroupConfig(pattern=f, optimizer_name="AdamW") for f in fragments],
+            ParamGroupConfig(pattern=r".*", optimizer_name="AdamW8bit"),
+        ], optimizer_factory_kwargs_by_name={"AdamW": {"nonfinite_grad": "raise"}}).build(model_parts=[model])
+
+    model = Tiny()
+    opt = build("tok_embeddings")
+    assert all(isinstance(o, LowBitAdamW) for o in opt)
+    sd = opt.state_dict()
+    assert sd["state.tok_embeddings.exp_avg"].dtype == torch.float32
+    assert "state.w1.exp_avg_codes" in sd and sd["state.norm.exp_avg"].dtype == torch.float32
+    eight = STATE_FORMATS["8bit"]
+    nbytes = {n: (sum(math.prod(shape) * dtype.itemsize for shape, dtype in
+                      eight.state_shapes(tuple(p.shape), eight.default_block).values())
+                  if n in ("w1", "w2") else 8 * p.numel()) for n, p in model.named_parameters()}
+    numel = sum(p.numel() for p in model.parameters())
+    assert f"optimizer state {sum(nbytes.values()) / numel:.3f} B/param" in v03.describe(opt)
+    with pytest.raises(ValueError, match="pattern 'lm_head' matched no parameters"):
+        build("tok_embeddings", "lm_head")
 
 
 @pytest.mark.parametrize("weight_update", WEIGHT_UPDATES)

@@ -41,6 +41,10 @@ def _check_choice(key: str, value, choices) -> None:
         )
 
 
+# The keys that hold FQN fragments (titan_lowbit/fqn_fragments.py), with an example each.
+FRAGMENT_LISTS = {"bitnet_filter": '["output"]', "fp32_states": '["tok_embeddings", "output"]'}
+
+
 @dataclass
 class LowBit:
     weight_dtype: WeightDtype = "auto"
@@ -66,6 +70,14 @@ class LowBit:
 
     min_quantized_numel: int = _OPTIMIZER_DEFAULTS["min_quantized_numel"]
     """Parameters with fewer elements keep fp32 optimizer state (norms, biases)."""
+
+    fp32_states: list[str] = field(default_factory=list)
+    """Fully-qualified-name fragments of parameters that keep fp32 optimizer states (8
+    bytes per element) whatever [optimizer] name's state format, e.g. ["tok_embeddings",
+    "output"]: a parameter is selected when its FQN contains a fragment, as bitnet_filter
+    selects modules (titan_lowbit/fqn_fragments.py). A fragment that selects no
+    parameter, a selection of every parameter, and an [optimizer] name whose states are
+    fp32 anyway are refused at start-up. The weights keep weight_dtype."""
 
     nonfinite_grad: NonfinitePolicy = _OPTIMIZER_DEFAULTS["nonfinite_grad"]
     """A NaN/inf gradient: "raise" (checked inside the optimizer kernels, at no cost)
@@ -115,8 +127,9 @@ class LowBit:
     (one log line says so)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.bitnet_filter, str):
-            self.bitnet_filter = [s for s in self.bitnet_filter.split(",") if s]
+        for key in FRAGMENT_LISTS:  # one string on the command line: comma-separated
+            if isinstance(getattr(self, key), str):
+                setattr(self, key, [s for s in getattr(self, key).split(",") if s])
         # Types first: tyro passes a TOML value of the wrong type through as it is (a
         # string "false" for a bool would read as true).
         for f in fields(self):
@@ -126,11 +139,13 @@ class LowBit:
                     f"[lowbit] {f.name} = {value!r} must be a TOML {f.type.__name__} "
                     f"({'true or false' if f.type is bool else 'an integer'}, without quotes)"
                 )
-        if not (isinstance(self.bitnet_filter, list) and all(isinstance(s, str) for s in self.bitnet_filter)):
-            raise ValueError(
-                f"[lowbit] bitnet_filter = {self.bitnet_filter!r} must be a list of strings "
-                '(module name fragments, e.g. ["output"])'
-            )
+        for key, example in FRAGMENT_LISTS.items():
+            value = getattr(self, key)
+            if not (isinstance(value, list) and all(isinstance(s, str) and s for s in value)):
+                raise ValueError(
+                    f"[lowbit] {key} = {value!r} must be a list of strings "
+                    f"(name fragments, none empty, e.g. {example})"
+                )
         _check_choice("weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
         _check_choice("weight_update", self.weight_update, WEIGHT_UPDATES)
         _check_choice("nonfinite_grad", self.nonfinite_grad, NONFINITE_POLICIES)

@@ -36,6 +36,7 @@ from titan_lowbit.bitnet.weight import (
     refresh_ternary_codes,
     refresh_ternary_codes_hook,
 )
+from titan_lowbit.fqn_fragments import check_every_fragment_selects, selects
 from titan_lowbit.kernels.private_apis import private_api_ok
 from titan_lowbit.kernels.bitnet_quant import SUPPORTED_FLOAT_DTYPES
 
@@ -57,23 +58,13 @@ def _lowbit_option(job_config, name: str):
     return getattr(getattr(job_config, "lowbit", None), name, DEFAULTS[name])
 
 
-def _check_filter(model: nn.Module, filter_fqns: list[str]) -> None:
-    names = [n for n, _ in model.named_modules() if n]
-    for frag in filter_fqns:
-        if not any(frag in n for n in names):
-            raise ValueError(
-                f"[lowbit] bitnet_filter entry {frag!r} matches no module of "
-                f"{type(model).__name__} (module names look like {names[:6]}); fix the "
-                "fragment or remove it."
-            )
-
-
 def convert_to_bitnet(model: nn.Module, filter_fqns=DEFAULTS["bitnet_filter"],
                       int8_backward: bool = DEFAULTS["bitnet_int8_backward"],
                       keep_codes: bool = DEFAULTS["bitnet_keep_codes"]) -> list[str]:
     """Swap the weights of the model's nn.Linear layers for BitNet training weights.
 
-    A layer is skipped when its FQN contains any fragment of ``filter_fqns``. Embeddings
+    A layer is skipped when its FQN contains any fragment of ``filter_fqns``
+    (``titan_lowbit.fqn_fragments``). Embeddings
     and every non-Linear module are never touched. State dicts keep plain tensors
     (``plain_weight_state_dict_hook``). ``keep_codes``: the model's forward first brings
     the ternary codes of its unsharded weights up to date and the layers use those
@@ -82,7 +73,8 @@ def convert_to_bitnet(model: nn.Module, filter_fqns=DEFAULTS["bitnet_filter"],
     """
     # one fragment, not its characters
     filter_fqns = [filter_fqns] if isinstance(filter_fqns, str) else list(filter_fqns)
-    _check_filter(model, filter_fqns)
+    check_every_fragment_selects("bitnet_filter", filter_fqns, [n for n, _ in model.named_modules() if n],
+                                 f"module of {type(model).__name__}")
     # Every name of every parameter: a weight shared by two modules (tied) cannot be
     # swapped in one of them without untying it.
     names_of: dict[int, list[str]] = {}
@@ -96,7 +88,7 @@ def convert_to_bitnet(model: nn.Module, filter_fqns=DEFAULTS["bitnet_filter"],
         if not isinstance(mod, nn.Linear):
             continue
         linears += 1
-        if any(frag in name for frag in filter_fqns):
+        if selects(name, filter_fqns):
             continue
         w = mod.weight
         if isinstance(w, BitNetTrainingWeight):

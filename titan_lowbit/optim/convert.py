@@ -29,8 +29,9 @@ global one):
 - hyperparameters (lr, initial_lr, betas, eps, weight_decay) come from the source, as a
   load restores them; the layout options are the target's.
 
-Refused, naming the parameter or group: another number of groups or parameters,
-``amsgrad`` states and ``maximize`` (their moments would need another meaning).
+Refused, naming the parameter or group: another number of parameters, a group taking
+parameters from saved groups with other hyperparameters, ``amsgrad`` states and
+``maximize`` (their moments would need another meaning).
 """
 
 from __future__ import annotations
@@ -163,37 +164,52 @@ def convert_state_dict(state_dict: dict[str, Any], to: torch.optim.Optimizer) ->
     """``state_dict`` (a LowBitAdamW's of any layout, or torch's Adam/AdamW's) as a state
     dict of optimizer ``to``'s layout for ``to``'s parameters, for ``to.load_state_dict``,
     which checks it as any other. ``to`` is a LowBitAdamW or torch's Adam/AdamW (export);
-    its parameters are those the state dict was saved for, in the same groups and order,
-    and hold the weights that go with it (they give shapes, shards, and the master weight
-    where the source kept none). Nothing of ``to`` is changed. See the module docstring."""
+    its parameters are those the state dict was saved for, in the same order, and hold the
+    weights that go with it (they give shapes, shards, and the master weight where the
+    source kept none). The groups may split the parameters otherwise (e.g. another set of
+    parameters in a group of fp32 states): each parameter is read in the layout of its
+    saved group and written in that of its group in ``to``, and a group of ``to`` takes the
+    hyperparameters of the saved groups of its parameters, which must agree. Nothing of
+    ``to`` is changed. See the module docstring."""
     if not (isinstance(state_dict, dict) and "state" in state_dict and "param_groups" in state_dict):
         raise ValueError("convert_state_dict needs an optimizer state dict with 'state' and 'param_groups'")
     saved, groups = state_dict["param_groups"], to.param_groups
     sizes, have = [len(g.get("params", ())) for g in saved], [len(g["params"]) for g in groups]
-    if sizes != have:
+    if sum(sizes) != sum(have):
         raise ValueError(f"the state dict has param groups of {sizes} parameters, the optimizer to convert "
-                         f"into {have}: build it with the param groups the state dict was saved with")
+                         f"into {have}: build it with the parameters the state dict was saved with, in "
+                         "the same order")
     lowbit_target = _is_lowbit(groups[0]) if groups else False
     if lowbit_target and not hasattr(to, "_state_specs"):
         raise TypeError(f"convert_state_dict converts into a LowBitAdamW or torch's Adam/AdamW, not a "
                         f"{type(to).__name__}")
-    own_groups = to.state_dict()["param_groups"]
-    state: dict[Any, dict[str, Any]] = {}
-    out_groups = []
-    for gi, (src, group, own) in enumerate(zip(saved, groups, own_groups)):
-        for where, g in (("state dict", src), ("optimizer to convert into", group)):
+    for where, gs in (("state dict", saved), ("optimizer to convert into", groups)):
+        for gi, g in enumerate(gs):
             if g.get("maximize", False):
                 raise ValueError(f"param group {gi} of the {where} has maximize=True: its first moments "
                                  "are stored with another sign convention; convert without maximize")
+    # every saved parameter's (key, saved group index), in the order of the groups
+    sources = iter([(key, si) for si, g in enumerate(saved) for key in g["params"]])
+    own_groups = to.state_dict()["param_groups"]
+    state: dict[Any, dict[str, Any]] = {}
+    out_groups = []
+    for gi, (group, own) in enumerate(zip(groups, own_groups)):
         names = group.get("param_names") or []
-        for pi, (key, own_key, p) in enumerate(zip(src["params"], own["params"], group["params"])):
+        taken = []
+        for pi, (own_key, p) in enumerate(zip(own["params"], group["params"])):
+            key, si = next(sources)
+            taken.append(si)
             name = names[pi] if pi < len(names) else getattr(to, "_names", {}).get(
                 p, f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})")
-            values = _source_values(name, p, src, state_dict["state"].get(key) or {})
+            values = _source_values(name, p, saved[si], state_dict["state"].get(key) or {})
             state[own_key] = (_lowbit_state(to, p, group, values) if lowbit_target
                               else _torch_state(p, values))
-        carried = {k: src[k] for k in HYPERPARAMETERS if k in src}
-        if lowbit_target and _is_lowbit(src):
-            carried[SKIPPED] = src.get(SKIPPED, 0)
-        out_groups.append({**own, **carried})
+        carried = [{k: saved[si][k] for k in HYPERPARAMETERS if k in saved[si]}
+                   | ({SKIPPED: saved[si].get(SKIPPED, 0)} if lowbit_target and _is_lowbit(saved[si]) else {})
+                   for si in dict.fromkeys(taken)]
+        if any(c != carried[0] for c in carried):
+            raise ValueError(f"param group {gi} of the optimizer to convert into takes parameters from "
+                             f"saved groups {list(dict.fromkeys(taken))} with other hyperparameters "
+                             f"({carried}): group the parameters as the state dict did")
+        out_groups.append({**own, **(carried[0] if carried else {})})
     return {"state": state, "param_groups": out_groups}

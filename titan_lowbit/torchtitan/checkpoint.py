@@ -16,7 +16,8 @@ Loading. Before torchtitan's ``CheckpointManager.dcp_load`` reads anything:
   ``TITAN_LOWBIT_VERIFY_CHECKPOINT=size`` keeps the file, size and index checks but skips
   reading the data for the CRCs;
 - :func:`check_compatible` compares the checkpoint's optimizer layout (state format,
-  block size, BF16 update rule, fp32-state threshold) and parameter dtypes with the
+  block size, BF16 update rule, fp32-state threshold), parameter by parameter (``[lowbit]
+  fp32_states`` gives some parameters a group of their own), and parameter dtypes with the
   current run's, and stops with both named: torch.distributed.checkpoint loads into the
   tensors the run allocated, so a 4-bit checkpoint loaded by an 8-bit run fails with a
   bare "Size mismatch", an 8-bit one loaded by an FP8 run (codes of the same shape) would
@@ -79,7 +80,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from titan_lowbit.bitnet.weight import local_training_weight
 from titan_lowbit.kernels.private_apis import patch, private_api_ok
 from titan_lowbit.optim.formats import STATE_FORMATS, block_of
-from titan_lowbit.torchtitan.checkpoint_convert import conversion_requested, load_converted
+from titan_lowbit.torchtitan.checkpoint_convert import (
+    ANY_GROUP_KEY,
+    GROUP_ENTRY,
+    conversion_requested,
+    fit_lr_schedulers,
+    fp32_selection,
+    load_converted,
+)
 from titan_lowbit.torchtitan.checkpoint_manifest import (
     MANIFEST,
     ManifestUnreadable,
@@ -87,7 +95,6 @@ from titan_lowbit.torchtitan.checkpoint_manifest import (
     read_manifest,
     write_manifest,
 )
-from titan_lowbit.torchtitan.lowbit_optimizers import is_lowbit
 
 STEP_DIR = re.compile(r"step-(\d+)")  # torchtitan's own pattern (re.search)
 VERIFY_ENV = "TITAN_LOWBIT_VERIFY_CHECKPOINT"
@@ -116,35 +123,35 @@ class CheckpointNotLoaded(RuntimeError):
     recognized as a configuration mismatch; the message says what to try."""
 
 
-def current_layout(optimizers) -> dict[str, Any]:
-    first = next(iter(optimizers))
-    group = first.param_groups[0]
-    if not is_lowbit(first):  # torch's Adam/AdamW
-        return {**TORCH_LAYOUT, **{k: group.get(k) for k in NAME_KEYS}}
-    return {"optimizer": "titan_lowbit", **{k: group[k] for k in LAYOUT_KEYS + NAME_KEYS}}
+def layouts(flat: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{parameter FQN: the optimizer layout of its param group} from the flattened
+    param-group entries (``param_groups.<fqn>.<option>``, one per parameter and option, as
+    torchtitan's container saves an optimizer): titan_lowbit's layout where the
+    parameter's group has a ``state_format``, else torch's Adam/AdamW. The same reading
+    of the run's state dict and of a checkpoint's entries, so the two compare parameter
+    by parameter."""
+    options: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        if key.startswith(GROUP_ENTRY):
+            fqn, _, option = key[len(GROUP_ENTRY):].rpartition(".")
+            if option in (ANY_GROUP_KEY, *LAYOUT_KEYS, *NAME_KEYS):
+                options.setdefault(fqn, {})[option] = value
+    return {fqn: ({"optimizer": "titan_lowbit", **{k: o.get(k) for k in LAYOUT_KEYS + NAME_KEYS}}
+                  if o.get("state_format") is not None else
+                  {**TORCH_LAYOUT, **{k: o.get(k) for k in NAME_KEYS}})
+            for fqn, o in options.items()}
 
 
-def saved_layout(checkpoint_id: str, metadata) -> dict[str, Any] | None:
-    """The optimizer layout the checkpoint was written with (as :func:`current_layout`),
-    or None when it holds no optimizer entries at all (e.g. a model-only checkpoint)."""
-    keys = metadata.state_dict_metadata
-    if not any(k.startswith("optimizer.") for k in keys):
-        return None
-
-    def first_group_with(name: str) -> str | None:
-        found = sorted(k for k in keys
-                       if k.startswith("optimizer.param_groups.") and k.endswith("." + name))
-        return found[0][: -len(name)] if found else None
-
-    lowbit = first_group_with("state_format") is not None
-    prefix = first_group_with("state_format") or first_group_with(NAME_KEYS[0])
-    wanted = LAYOUT_KEYS + NAME_KEYS if lowbit else NAME_KEYS
-    values: dict[str, Any] = {prefix + k: None for k in wanted
-                              if prefix is not None and prefix + k in keys}
+def saved_layouts(checkpoint_id: str, metadata) -> dict[str, dict[str, Any]]:
+    """The checkpoint's optimizer layout of each parameter (as :func:`layouts`); empty
+    when it holds no optimizer entries at all (e.g. a model-only checkpoint)."""
+    prefix = "optimizer."
+    keys = [k[len(prefix):] for k in metadata.state_dict_metadata if k.startswith(prefix + GROUP_ENTRY)]
+    values: dict[str, Any] = {prefix + k: None for k in keys
+                              if k.rpartition(".")[2] in LAYOUT_KEYS + NAME_KEYS}
     if values:
         dcp.load(values, checkpoint_id=checkpoint_id)
-    base = {"optimizer": "titan_lowbit"} if lowbit else dict(TORCH_LAYOUT)
-    return {**base, **{k: values.get(f"{prefix}{k}") for k in wanted}}
+    return layouts({k: values.get(prefix + k) for k in keys})
 
 
 def _acting(layout: dict[str, Any]) -> dict[str, Any]:
@@ -192,21 +199,42 @@ def _convertible(saved: dict[str, Any], have: dict[str, Any]) -> bool:
     return all(saved.get(k) == have.get(k) for k in NAME_KEYS)
 
 
-def _layout_problem(saved: dict[str, Any], have: dict[str, Any], convert: bool = False) -> str:
-    want, now = _settings(saved), _settings(have)
-    changed = [option for option, value in want.items() if now.get(option) != value]
-    text = f"optimizer layout: checkpoint {_describe(saved)}; this run {_describe(have)}. "
-    if saved.get("decoupled_weight_decay") != have.get("decoupled_weight_decay"):
+def _few(fqns: list[str]) -> str:
+    if not fqns:
+        return "no parameter"
+    return f"{len(fqns)} parameter{'s' if len(fqns) > 1 else ''} {fqns[:4]}{' ...' if len(fqns) > 4 else ''}"
+
+
+def _layout_problem(saved: dict[str, dict[str, Any]], have: dict[str, dict[str, Any]],
+                    differ: list[str], convert: bool = False) -> str:
+    """Why the per-parameter layouts ``saved`` (the checkpoint's) and ``have`` (the run's)
+    differ in the parameters ``differ``: the first of them named with both layouts, and
+    the settings that wrote the checkpoint (the optimizer's own layout, and which
+    parameters ``[lowbit] fp32_states`` gave fp32 states)."""
+    (own_saved, fp32_saved), (own_have, fp32_have) = fp32_selection(saved), fp32_selection(have)
+    first = differ[0]
+    text = (f"optimizer layout of param '{first}'"
+            + (f" (and {len(differ) - 1} more)" if len(differ) > 1 else "")
+            + f": checkpoint {_describe(saved[first])}; this run {_describe(have[first])}. ")
+    if fp32_saved != fp32_have:
+        text += (f"[lowbit] fp32_states gave fp32 states to {_few(fp32_saved)} in the checkpoint, "
+                 f"to {_few(fp32_have)} in this run. ")
+    if own_saved.get("decoupled_weight_decay") != own_have.get("decoupled_weight_decay"):
         text += ("decoupled_weight_decay is set by [optimizer] name: AdamW* names decouple weight "
                  "decay, Adam* names add it to the gradient"
                  + ("; [lowbit] convert_optimizer_states converts the states' format, not the "
                     "update. " if convert else ". "))
+    want, now = _settings(own_saved), _settings(own_have)
+    settings = [_as_setting(option, want[option]) for option in want if now.get(option) != want[option]]
+    if fp32_saved != fp32_have:
+        settings.append(f"[lowbit] fp32_states selecting exactly the checkpoint's {_few(fp32_saved)}"
+                        if fp32_saved else "no [lowbit] fp32_states")
+    convertible = all(_convertible(saved[f], have[f]) for f in differ)
     return text + (
-        "Resume with the settings the checkpoint was written with: "
-        + "; ".join(_as_setting(option, want[option]) for option in changed)
+        "Resume with the settings the checkpoint was written with: " + "; ".join(settings)
         + ". Or start the optimizer state afresh with --checkpoint.exclude_from_loading optimizer "
         "(the model, schedule and step still resume), or train into a new job.dump_folder"
-        + ("." if convert or not _convertible(saved, have) else
+        + ("." if convert or not convertible else
            ", or convert the checkpoint's states into this run's layout with [lowbit] "
            "convert_optimizer_states = true (--lowbit.convert_optimizer_states).")
     )
@@ -332,18 +360,21 @@ def check_compatible(state_dict: dict[str, Any], checkpoint_id: str, metadata=No
     if saved_ranks and isinstance(now_ranks, int) and len(saved_ranks) != now_ranks:
         problems.append(_dataloader_problem(len(saved_ranks), now_ranks))
     optimizers = state_dict.get("optimizer")
+    run_entries = optimizers.state_dict() if optimizers is not None else {}
     if optimizers is not None and "optimizer" not in absent:
-        have, saved = current_layout(optimizers), saved_layout(checkpoint_id, metadata)
-        if saved is not None:
+        have, saved = layouts(run_entries), saved_layouts(checkpoint_id, metadata)
+        for fqn in have.keys() & saved.keys():
             for key in NAME_KEYS:  # not recorded (an older torch): cannot be compared
-                if saved.get(key) is None:
-                    saved.pop(key, None)
-                    have.pop(key, None)
-            if _acting(have) != _acting(saved):
-                if convert and _convertible(saved, have):
-                    converted = (_acting(saved), _acting(have))
-                else:
-                    problems.append(_layout_problem(saved, have, convert))
+                if saved[fqn].get(key) is None:
+                    saved[fqn].pop(key, None)
+                    have[fqn].pop(key, None)
+        differ = [f for f in have if f in saved and _acting(have[f]) != _acting(saved[f])]
+        if differ:
+            if convert and all(_convertible(saved[f], have[f]) for f in differ):
+                converted = ({f: _acting(lay) for f, lay in saved.items()},
+                             {f: _acting(lay) for f, lay in have.items()})
+            else:
+                problems.append(_layout_problem(saved, have, differ, convert))
     for key, value in state_dict.items():
         saved_meta = keys.get(key)
         if isinstance(value, torch.Tensor) and isinstance(saved_meta, TensorStorageMetadata):
@@ -355,7 +386,7 @@ def check_compatible(state_dict: dict[str, Any], checkpoint_id: str, metadata=No
                 )
                 break  # one parameter says it; the rest would repeat it
     if optimizers is not None and not problems and converted is None:  # converted: its own keys
-        wanted = {f"optimizer.{key}" for key in optimizers.state_dict()}
+        wanted = {f"optimizer.{key}" for key in run_entries}
         missing = sorted(wanted - set(keys))
         if missing:
             problems.append(
@@ -748,7 +779,8 @@ def register() -> None:
     (kernels/private_apis.py); otherwise torchtitan checkpoints as it does by itself."""
     if not private_api_ok("torchtitan"):
         return
-    from torchtitan.components.checkpoint import MODEL, OPTIMIZER, AsyncMode, CheckpointManager
+    from torchtitan.components.checkpoint import (
+        LR_SCHEDULER, MODEL, OPTIMIZER, AsyncMode, CheckpointManager)
     from torchtitan.tools.logging import logger
 
     original_load = CheckpointManager.dcp_load
@@ -766,13 +798,15 @@ def register() -> None:
                                       convert=conversion_requested(self))
         try:
             if conversion is None:
-                return original_load(self, state_dict, checkpoint_id, from_hf, from_quantized)
-            # The model first: the conversion builds master weights from the loaded weights.
-            rest = {k: v for k, v in state_dict.items() if k != OPTIMIZER}
-            result = original_load(self, rest, checkpoint_id, from_hf, from_quantized)
-            for line in load_converted(state_dict[OPTIMIZER], checkpoint_id, *conversion):
-                logger.info(f"titan_lowbit: checkpoint {checkpoint_id}: optimizer states converted "
-                            f"([lowbit] convert_optimizer_states): {line}")
+                result = original_load(self, state_dict, checkpoint_id, from_hf, from_quantized)
+            else:
+                # The model first: the conversion builds master weights from the loaded weights.
+                rest = {k: v for k, v in state_dict.items() if k != OPTIMIZER}
+                result = original_load(self, rest, checkpoint_id, from_hf, from_quantized)
+                for line in load_converted(state_dict[OPTIMIZER], checkpoint_id, *conversion):
+                    logger.info(f"titan_lowbit: checkpoint {checkpoint_id}: optimizer states converted "
+                                f"([lowbit] convert_optimizer_states): {line}")
+            fit_lr_schedulers(state_dict.get(LR_SCHEDULER))
             return result
         except (Exception, CheckpointException) as err:  # CheckpointException: BaseException
             crc = os.environ.get(VERIFY_ENV, "crc").lower() != "size"

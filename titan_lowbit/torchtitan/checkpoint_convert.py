@@ -16,6 +16,7 @@ weights. For the time of the conversion the source states take memory beside the
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -29,14 +30,21 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_lowbit.config import lowbit_of
 from titan_lowbit.torchtitan.lowbit_optimizers import is_lowbit
+from titan_lowbit.torchtitan.optimizer_builder import FP32_STATES_FORMAT
 
 FLATTENED = StateDictOptions(flatten_optimizer_state_dict=True)  # as torchtitan saves them
+# A flattened optimizer state dict's param-group entries, and an option every group has:
+# its entries name every parameter, in the optimizer's order.
+GROUP_ENTRY = "param_groups."
+ANY_GROUP_KEY = "lr"
 # What each converted setting does to the states, for its log line.
 EFFECT = {
     "optimizer": "moments dequantized to fp32 and stored in the new optimizer's format",
     "state_format": "moments dequantized to fp32 and requantized (one quantization of each moment)",
     "block_size": "moments dequantized to fp32 and requantized in blocks of the new size",
     "min_quantized_numel": "the parameters whose states change between fp32 and quantized are converted",
+    "fp32_states": "those parameters' moments dequantized into fp32 states (exactly) or quantized "
+                   "out of them into the optimizer's format",
     "weight_update": "fp32 master weights (or their remainders, or the Kahan compensation) from the "
                      "checkpoint's master weights where it kept them, else from its bf16 weights",
 }
@@ -65,44 +73,121 @@ class _SavedStates(Stateful):
             set_optimizer_state_dict(model, opt, optim_state_dict=state_dict, options=FLATTENED)
 
 
-def source_optimizer(run_optimizer, saved: dict[str, Any], names: dict[torch.Tensor, str]):
-    """An optimizer of the checkpoint's layout ``saved`` (checkpoint.saved_layout) over the
-    parameters of ``run_optimizer``, in its groups and order, to load the states into."""
-    decoupled = saved.get("decoupled_weight_decay")
+def fp32_selection(layouts: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
+    """(the optimizer's own layout, the parameters ``[lowbit] fp32_states`` gave fp32
+    states) of per-parameter layouts (``checkpoint.layouts``): the own layout is that of
+    the parameters whose states are not fp32 (of all of them where every one is); a
+    parameter is selected where its layout is the own one with fp32 states."""
+    values = list(layouts.values())
+    own = next((lay for lay in values if lay.get("state_format") != FP32_STATES_FORMAT), values[0] if values else {})
+    if own.get("state_format") in (None, FP32_STATES_FORMAT):
+        return own, []
+    fp32 = {**own, "state_format": FP32_STATES_FORMAT}
+    return own, sorted(f for f, lay in layouts.items() if lay == fp32)
+
+
+def _frozen(layout: dict[str, Any]) -> tuple:
+    return tuple(sorted(layout.items()))
+
+
+def _param_fqns(model, optimizer) -> dict[torch.Tensor, str]:
+    """{parameter: the FQN its checkpoint entries have} for ``optimizer``'s parameters:
+    the flattened state dict lists its param-group entries in the optimizer's parameter
+    order (the FQNs without the wrappers' levels that ``named_parameters`` shows)."""
+    flat = get_optimizer_state_dict(model, optimizer, options=FLATTENED)
+    suffix = "." + ANY_GROUP_KEY
+    fqns = [k[len(GROUP_ENTRY):-len(suffix)] for k in flat if k.startswith(GROUP_ENTRY) and k.endswith(suffix)]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if len(fqns) != len(params):
+        raise ValueError(
+            f"[lowbit] convert_optimizer_states: the optimizer has {len(params)} parameters but its "
+            f"state dict names {len(fqns)} (parameters shared between modules): resume with the "
+            "settings the checkpoint was written with, or start the optimizer afresh with "
+            "--checkpoint.exclude_from_loading optimizer")
+    return dict(zip(params, fqns))
+
+
+def source_optimizer(run_optimizer, layout_of: dict[torch.Tensor, dict[str, Any]],
+                     names: dict[torch.Tensor, str]):
+    """An optimizer of the checkpoint's layouts over the parameters of ``run_optimizer``,
+    in its order, to load the states into: ``layout_of[p]`` is parameter ``p``'s layout in
+    the checkpoint (``checkpoint.layouts``). Each run group is split where the saved
+    layout changes (``[lowbit] fp32_states`` selected other parameters), so that every
+    group of the source has one layout, as the checkpoint's groups had."""
+    hyper = ("lr", "betas", "eps", "weight_decay")
+    params = [p for g in run_optimizer.param_groups for p in g["params"]]
+    kinds = {layout_of[p]["optimizer"] for p in params}
+    if len(kinds) > 1:
+        raise ValueError(f"[lowbit] convert_optimizer_states: the checkpoint holds states of {sorted(kinds)} "
+                         "for the parameters of one optimizer; convert a checkpoint written by one of them")
+    first = layout_of[params[0]]
+    decoupled = first.get("decoupled_weight_decay")
     if decoupled is None:
         decoupled = run_optimizer.param_groups[0].get("decoupled_weight_decay", True)
-    hyper = ("lr", "betas", "eps", "weight_decay")
-    if saved["optimizer"] != "titan_lowbit":
+    if first["optimizer"] != "titan_lowbit":
         groups = [{"params": list(g["params"]), **{k: g[k] for k in hyper}}
                   for g in run_optimizer.param_groups]
         return (torch.optim.AdamW if decoupled else torch.optim.Adam)(groups)
     from titan_lowbit.optim import LowBitAdamW
+    from titan_lowbit.optim.adamw import CONVERTIBLE_OPTIONS
 
-    groups = [{"params": [(names[p], p) for p in g["params"]], **{k: g[k] for k in hyper}}
-              for g in run_optimizer.param_groups]
-    return LowBitAdamW(groups, state_format=saved["state_format"], block_size=saved["block_size"],
-                       weight_update=saved["weight_update"],
-                       min_quantized_numel=saved["min_quantized_numel"],
-                       decoupled_weight_decay=decoupled, seed=getattr(run_optimizer, "seed", 0))
-
-
-def describe_changes(saved: dict[str, Any], have: dict[str, Any]) -> list[str]:
-    """One line per setting in which the checkpoint's layout ``saved`` differs from the
-    run's ``have`` (both as checkpoint.current_layout gives them, block sizes resolved);
-    between torch's and titan_lowbit's optimizers one line with the new settings."""
-    if saved["optimizer"] != have["optimizer"]:
-        settings = ", ".join(f"{k}={v!r}" for k, v in (have if have["optimizer"] == "titan_lowbit"
-                                                       else saved).items() if k in EFFECT and k != "optimizer")
-        return [f"optimizer {saved['optimizer']!r} -> {have['optimizer']!r} ({settings}): "
-                f"{EFFECT['optimizer']}"]
-    return [f"{key} {saved[key]!r} -> {have[key]!r}: {EFFECT[key]}" for key in EFFECT
-            if key in saved and key in have and saved[key] != have[key]]
+    groups = [{"params": [(names[p], p) for p in run], **{k: g[k] for k in hyper},
+               **{k: layout[k] for k in CONVERTIBLE_OPTIONS}}
+              for g in run_optimizer.param_groups
+              for layout, run in ((dict(key), list(ps)) for key, ps in
+                                  itertools.groupby(g["params"], key=lambda p: _frozen(layout_of[p])))]
+    return LowBitAdamW(groups, decoupled_weight_decay=decoupled, seed=getattr(run_optimizer, "seed", 0))
 
 
-def load_converted(container, checkpoint_id: str, saved: dict[str, Any],
-                   have: dict[str, Any]) -> list[str]:
-    """Load the optimizer states of ``checkpoint_id`` (layout ``saved``) into the run's
-    optimizers in ``container`` (layout ``have``), converted; return the log lines
+def describe_changes(saved: dict[str, dict[str, Any]], have: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per setting in which the checkpoint's per-parameter layouts ``saved``
+    differ from the run's ``have`` (both as ``checkpoint.layouts`` gives them, block sizes
+    resolved): the optimizer's own layout, then the parameters that ``[lowbit]
+    fp32_states`` moved into or out of fp32 states; between torch's and titan_lowbit's
+    optimizers one line with the new settings."""
+    (own_saved, fp32_saved), (own_have, fp32_have) = fp32_selection(saved), fp32_selection(have)
+    if own_saved["optimizer"] != own_have["optimizer"]:
+        settings = ", ".join(f"{k}={v!r}" for k, v in (own_have if own_have["optimizer"] == "titan_lowbit"
+                                                       else own_saved).items() if k in EFFECT and k != "optimizer")
+        lines = [f"optimizer {own_saved['optimizer']!r} -> {own_have['optimizer']!r} ({settings}): "
+                 f"{EFFECT['optimizer']}"]
+    else:
+        lines = [f"{key} {own_saved[key]!r} -> {own_have[key]!r}: {EFFECT[key]}" for key in EFFECT
+                 if key in own_saved and key in own_have and own_saved[key] != own_have[key]]
+    into, out = sorted(set(fp32_have) - set(fp32_saved)), sorted(set(fp32_saved) - set(fp32_have))
+    if into or out:
+        lines.append(f"fp32_states: into fp32 states {into or 'none'}, out of them {out or 'none'}: "
+                     f"{EFFECT['fp32_states']}")
+    return lines
+
+
+def fit_lr_schedulers(schedulers) -> None:
+    """Give the loaded LR schedulers (torchtitan's container: the first scheduler's state,
+    loaded into every one) one per-group value for each of their optimizer's groups. The
+    saved state has one value per param group of the optimizer that wrote it, which may
+    group the parameters otherwise (``[lowbit] fp32_states`` adds a group, a conversion may
+    add or drop it, and one model part may have a group that another lacks); torch's
+    scheduler would stop at its next step (its ``base_lrs``; the last lrs it reports are
+    recomputed by that step from the param groups). All groups of the 0.2 line share
+    ``[optimizer] lr``, so one value serves every group; differing values are refused."""
+    for scheduler in getattr(schedulers, "schedulers", ()):
+        groups = len(scheduler.optimizer.param_groups)
+        values = scheduler.base_lrs
+        if len(values) == groups:
+            continue
+        if len(set(values)) != 1:
+            raise ValueError(
+                f"the checkpoint's LR scheduler holds base_lrs {values} for {len(values)} param groups, "
+                f"this run's optimizer has {groups}: resume with the [lowbit] fp32_states it was "
+                "written with, or start the schedule afresh with --checkpoint.exclude_from_loading "
+                "lr_scheduler")
+        scheduler.base_lrs = [values[0]] * groups
+
+
+def load_converted(container, checkpoint_id: str, saved: dict[str, dict[str, Any]],
+                   have: dict[str, dict[str, Any]]) -> list[str]:
+    """Load the optimizer states of ``checkpoint_id`` (per-parameter layouts ``saved``)
+    into the run's optimizers in ``container`` (``have``), converted; return the log lines
     naming each change. Every rank calls it (DCP's load and the optimizers' load checks
     are collective)."""
     from titan_lowbit.optim import convert_state_dict
@@ -116,7 +201,20 @@ def load_converted(container, checkpoint_id: str, saved: dict[str, Any],
             "convert without early_step_in_backward, or start the optimizer afresh with "
             "--checkpoint.exclude_from_loading optimizer")
     names = {p: n for model in model_parts for n, p in model.named_parameters()}
-    sources = [source_optimizer(opt, saved, names) for opt in optimizers]
+    distinct = {_frozen(layout) for layout in saved.values()}
+    sources = []
+    for model, opt in zip(model_parts, optimizers):
+        if len(distinct) == 1:  # one layout for every parameter: no need to tell them apart
+            layout_of = {p: dict(next(iter(distinct))) for g in opt.param_groups for p in g["params"]}
+        else:
+            layout_of = {}
+            for p, fqn in _param_fqns(model, opt).items():
+                if fqn not in saved:
+                    raise ValueError(
+                        f"[lowbit] convert_optimizer_states: param '{fqn}' has no optimizer entries in "
+                        f"{checkpoint_id}: the checkpoint is incomplete or from another model")
+                layout_of[p] = saved[fqn]
+        sources.append(source_optimizer(opt, layout_of, names))
     dcp.load({"optimizer": _SavedStates(model_parts, sources)}, checkpoint_id=checkpoint_id)
     for source, optimizer in zip(sources, optimizers):
         optimizer.load_state_dict(convert_state_dict(source.state_dict(), to=optimizer))

@@ -13,6 +13,7 @@ import functools
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torchtitan.components.optimizer import (
     build_optimizers as torchtitan_build_optimizers,
@@ -22,6 +23,7 @@ from torchtitan.components.optimizer import (
 from torchtitan.tools.logging import logger
 
 from titan_lowbit.config import LowBit, lowbit_of
+from titan_lowbit.fqn_fragments import check_every_fragment_selects, selects
 from titan_lowbit.torchtitan.lowbit_optimizers import (
     FP32_ADAMW_STATE_BYTES,
     TORCH_OPTIMIZERS,
@@ -48,20 +50,75 @@ def check_optimizer_name(name: str) -> None:
         )
 
 
+# The state format of the parameters [lowbit] fp32_states selects.
+FP32_STATES_FORMAT = "fp32"
+
+
+def param_groups(named_params: list[tuple[str, nn.Parameter]], fp32_states: list[str]) -> list[dict]:
+    """LowBitAdamW's param groups for ``(name, parameter)`` pairs: the parameters that
+    ``[lowbit] fp32_states`` selects (titan_lowbit.fqn_fragments) in a group of fp32
+    states after the others, which keep the optimizer's own format; each in the
+    parameters' order, and only the groups that have parameters. Both groups take every
+    other option from the optimizer, so they step alike but for the states' format."""
+    chosen = [(n, p) for n, p in named_params if selects(n, fp32_states)]
+    rest = [(n, p) for n, p in named_params if not selects(n, fp32_states)]
+    return ([{"params": rest}] if rest else []) + (
+        [{"params": chosen, "state_format": FP32_STATES_FORMAT}] if chosen else [])
+
+
 class NamedParamsOptimizer:
     """Builds an optimizer from torchtitan's bare parameter list, adding the parameters'
-    fully qualified names, so that every error and log line can name the parameter."""
+    fully qualified names, so that every error and log line can name the parameter, and
+    putting the parameters ``fp32_states`` selects in a param group of fp32 states
+    (:func:`param_groups`)."""
 
-    def __init__(self, optimizer_cls: type[torch.optim.Optimizer], model_parts: list[nn.Module]):
+    def __init__(self, optimizer_cls: type[torch.optim.Optimizer], model_parts: list[nn.Module],
+                 fp32_states: list[str] = ()):
         self.optimizer_cls = optimizer_cls
         self.names = {p: n for m in model_parts for n, p in m.named_parameters()}
+        self.fp32_states = list(fp32_states)
 
     def __call__(self, params, **kwargs) -> torch.optim.Optimizer:
-        return self.optimizer_cls([(self.names[p], p) for p in params], **kwargs)
+        named = [(self.names[p], p) for p in params]
+        return self.optimizer_cls(param_groups(named, self.fp32_states) if self.fp32_states else named,
+                                  **kwargs)
 
 
 def _params(model_parts: list[nn.Module]) -> list[nn.Parameter]:
     return [p for m in model_parts for p in m.parameters() if p.requires_grad]
+
+
+def check_fp32_states(name: str, fp32_states: list[str], fqns: list[str]) -> None:
+    """Refuse a ``[lowbit] fp32_states`` that would change nothing or everything: with
+    fp32 states throughout (torch's names), a fragment that selects no parameter of
+    ``fqns`` (all the model's trainable parameters), a selection of every parameter."""
+    if not fp32_states:
+        return
+    if name in TORCH_OPTIMIZERS:
+        raise ValueError(
+            f"[lowbit] fp32_states = {fp32_states} keeps the selected parameters' optimizer "
+            f"states in fp32, but [optimizer] name = {name!r} keeps every state in fp32 already. "
+            "Remove fp32_states, or choose a titan_lowbit optimizer "
+            f"({', '.join(n for n in valid_optimizer_names() if n not in TORCH_OPTIMIZERS)}).")
+    check_every_fragment_selects("fp32_states", fp32_states, fqns, "trainable parameter of the model")
+    if all(selects(n, fp32_states) for n in fqns):
+        raise ValueError(
+            f"[lowbit] fp32_states = {fp32_states} selects every trainable parameter "
+            f"({len(fqns)}), so none would keep [optimizer] name = {name!r}'s state format: "
+            "set [optimizer] name = \"AdamW\" (or \"Adam\") for fp32 states throughout, or "
+            "select fewer parameters.")
+
+
+def trainable_fqns(model_parts: list[nn.Module], parallel_dims) -> list[str]:
+    """The FQNs of the whole model's trainable parameters. Under pipeline parallelism a
+    rank holds some stages only: the names of every stage of the pp mesh (a collective)."""
+    fqns = [n for m in model_parts for n, p in m.named_parameters() if p.requires_grad]
+    if parallel_dims is not None and parallel_dims.pp_enabled:
+        group = parallel_dims.get_mesh("pp").get_group()
+        gathered: list[list[str] | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, fqns, group=group)
+        fqns = list(dict.fromkeys(n for part in gathered for n in part or []))
+    return fqns
 
 
 def check_combination(name: str, lowbit: LowBit, early_step_in_backward: bool,
@@ -115,6 +172,8 @@ def build_lowbit_optimizers(
 ) -> OptimizersContainer:
     name = optimizer_config.name
     check_combination(name, lowbit, optimizer_config.early_step_in_backward, model_parts)
+    if lowbit.fp32_states:
+        check_fp32_states(name, list(lowbit.fp32_states), trainable_fqns(model_parts, parallel_dims))
     if name in TORCH_OPTIMIZERS and lowbit.weight_update == "nearest":
         return base_builder(model_parts, optimizer_config, parallel_dims, ft_manager)
     check_optimizer_name(name)
@@ -145,7 +204,7 @@ def build_lowbit_optimizers(
         nonfinite_grad=lowbit.nonfinite_grad,
         **OPTIMIZERS[name],
     )
-    factory = NamedParamsOptimizer(LowBitAdamW, model_parts)
+    factory = NamedParamsOptimizer(LowBitAdamW, model_parts, lowbit.fp32_states)
     if optimizer_config.early_step_in_backward:
         return OptimizersInBackwardContainer(model_parts, factory, kwargs)
     return LowBitOptimizersContainer(model_parts, factory, kwargs)
@@ -164,6 +223,19 @@ class LowBitOptimizersContainer(OptimizersContainer):
                      lambda i: f"model part {i}", "model parts")
 
 
+def _fp32_states_share(optimizers: OptimizersContainer, lowbit: LowBit) -> str:
+    """What ``[lowbit] fp32_states`` selected, for the start-up line: the parameters in
+    its fp32 group (:func:`param_groups`) and their share of all parameter elements."""
+    if not lowbit.fp32_states:
+        return ""
+    groups = [g for opt in optimizers for g in opt.param_groups]
+    chosen = [p for g in groups if g["state_format"] == FP32_STATES_FORMAT for p in g["params"]]
+    total = sum(p.numel() for g in groups for p in g["params"])
+    share = sum(p.numel() for p in chosen) / max(total, 1)
+    return (f"; fp32 states for {len(chosen)} param{'s' if len(chosen) != 1 else ''}, {share:.1%} of the "
+            "elements, by [lowbit] fp32_states")
+
+
 def describe(optimizers: OptimizersContainer, optimizer_name: str, lowbit: LowBit, converters) -> str:
     """The one start-up line saying what titan_lowbit changed."""
     params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
@@ -171,7 +243,7 @@ def describe(optimizers: OptimizersContainer, optimizer_name: str, lowbit: LowBi
     first = next(iter(optimizers))
     if is_lowbit(first):
         fmt = first.defaults["state_format"]
-        opt_desc = f"{optimizer_name} (titan_lowbit, state format {fmt})"
+        opt_desc = f"{optimizer_name} (titan_lowbit, state format {fmt}{_fp32_states_share(optimizers, lowbit)})"
     else:
         opt_desc = f"{optimizer_name} (torch, state in parameter dtype)"
     update = lowbit.weight_update if "bfloat16" in dtypes else "exact (fp32 weights)"
