@@ -31,6 +31,7 @@ from titan_lowbit.kernels.adamw_lowbit_ref import adamw_step_reference
 from titan_lowbit.kernels.quant_maps import is_block_size, tensor_key
 
 from .formats import STATE_FORMATS, StateFormat, block_of, param_format
+from .hyperparams import check_one_value, hyper_value, shown
 from .nonfinite import DeferredNonfiniteCheck, describe, precheck_launch, precheck_result
 from .second_moment import restore_second_moments
 from .state_dict import (
@@ -140,6 +141,12 @@ def _is_distributed(params: list[torch.Tensor]) -> bool:
             and torch.distributed.get_world_size() > 1 and any(isinstance(p, DTensor) for p in params))
 
 
+def _require_state_dict(state_dict: Any) -> None:
+    if not (isinstance(state_dict, dict) and "state" in state_dict and "param_groups" in state_dict):
+        raise ValueError("LowBitAdamW.load_state_dict needs an optimizer state dict with 'state' and "
+                         "'param_groups' (from LowBitAdamW.state_dict())")
+
+
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, acc = [], 1
     for s in reversed(shape):
@@ -155,8 +162,9 @@ class LowBitAdamW(torch.optim.Optimizer):
         params: parameters, ``(name, parameter)`` pairs (names then appear in every error),
             or parameter groups (dicts); every option below except ``seed`` and
             ``nonfinite_grad`` can be set per group.
-        lr: learning rate, a float or a 0-dim tensor (read on the device, no sync).
-        betas, eps, weight_decay: as in ``torch.optim.AdamW``.
+        lr: learning rate, a number or a one-element tensor (read on the device, no sync).
+        betas, eps, weight_decay: as in ``torch.optim.AdamW``; each hyperparameter may be
+            of any type torch takes (NumPy scalars, tensors: see ``hyperparams``).
         state_format: "fp32", "bf16", "8bit" (dynamic tree, block 256), "4bit" (dynamic
             exponent m / linear v, block 128) or "fp8" (e4m3, block 128).
         decoupled_weight_decay: True for AdamW, False for Adam (weight decay added to the
@@ -307,20 +315,19 @@ class LowBitAdamW(torch.optim.Optimizer):
 
     def _check_group(self, group: dict[str, Any], where: str) -> None:
         lr = group["lr"]
-        if isinstance(lr, torch.Tensor):
-            if lr.numel() != 1:
-                raise ValueError(f"{where}: lr tensor must hold one value, got shape {tuple(lr.shape)}")
-            if lr.device.type == "cpu" and not (lr.item() >= 0 and math.isfinite(lr.item())):
-                raise ValueError(f"{where}: lr={lr.item()} is invalid; use a finite lr >= 0")
-        elif not isinstance(lr, (int, float)) or lr < 0 or not math.isfinite(lr):
-            raise ValueError(f"{where}: lr={lr!r} is invalid; use a finite float >= 0")
+        if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
+            check_one_value(where, "lr", lr)  # the kernels read it on its device: no host sync here
+        elif not (0 <= hyper_value(where, "lr", lr) < math.inf):
+            raise ValueError(f"{where}: lr={shown(lr)} is invalid; use a finite lr >= 0")
         betas = group["betas"]
-        if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
+        if (not hasattr(betas, "__len__") or len(betas) != 2
+                or not all(0.0 <= hyper_value(where, "betas", b) < 1.0 for b in betas)):
             raise ValueError(f"{where}: betas={betas!r}; each beta must lie in [0, 1)")
-        if not (isinstance(group["eps"], (int, float)) and group["eps"] >= 0):
-            raise ValueError(f"{where}: eps={group['eps']!r}; use eps >= 0")
-        if not (isinstance(group["weight_decay"], (int, float)) and group["weight_decay"] >= 0):
-            raise ValueError(f"{where}: weight_decay={group['weight_decay']!r}; use weight_decay >= 0")
+        if not hyper_value(where, "eps", group["eps"]) >= 0:
+            raise ValueError(f"{where}: eps={shown(group['eps'])}; use eps >= 0")
+        wd = hyper_value(where, "weight_decay", group["weight_decay"])
+        if not (wd >= 0 and math.isfinite(wd)):
+            raise ValueError(f"{where}: weight_decay={shown(group['weight_decay'])}; use a finite weight_decay >= 0")
         if group["state_format"] not in STATE_FORMATS:
             raise ValueError(f"{where}: state_format={group['state_format']!r}; choose one of {list(STATE_FORMATS)}")
         if group["weight_update"] not in WEIGHT_UPDATES:
@@ -456,26 +463,40 @@ class LowBitAdamW(torch.optim.Optimizer):
         checked (entries, dtypes, shapes, ``step``, finite values: see ``state_dict``),
         then copied into this optimizer's own state tensors (moved, never cast), which
         keep their arenas; torch.distributed.checkpoint has loaded into those already.
+
+        Torch's own ``load_state_dict`` runs, with its hooks in its order: the check runs
+        as the last load pre-hook, on the state dict the user's pre-hooks returned (the
+        rest of torch's load then sees it without state, which it would cast), and the
+        states are loaded by the first post-hook, so the user's post-hooks see them.
         """
-        loaded = self._check_loadable(state_dict)
+        if not isinstance(state_dict, dict):  # torch's load would fail on it with less to say
+            _require_state_dict(state_dict)
+        loaded: list = []
         before = (self.state, self.param_groups, self._master_pending)
-        try:  # torch replaces the groups, never changes them: put them back
-            self._load(state_dict, loaded)
-        except BaseException:
-            self.state, self.param_groups, self._master_pending = before
-            raise
-        restore_second_moments((self._name(p), self._format(p, g)[0], {k: _local(v) for k, v in self.state[p].items()
-                                if isinstance(v, torch.Tensor)}) for g in self.param_groups for p in g["params"])
-        self._deferred.clear()  # the loaded state replaces what any unread step did
-        self._plans.clear()
-        self._step_plan = None
+
+        def check(_, checked_dict: dict[str, Any]) -> dict[str, Any]:
+            loaded.extend(self._check_loadable(checked_dict))
+            return {**checked_dict, "state": {}}
+
+        def load(_) -> None:
+            try:  # torch replaced the groups, never changed them: put them back
+                self._load(before[0], loaded)
+            except BaseException:
+                self.state, self.param_groups, self._master_pending = before
+                raise
+
+        hooks = (self.register_load_state_dict_pre_hook(check),
+                 self.register_load_state_dict_post_hook(load, prepend=True))
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     def _check_loadable(self, state_dict: dict[str, Any]) -> list[tuple[torch.Tensor, dict[str, torch.Tensor], float]]:
         """Raise, before anything changes, when ``state_dict`` does not fit this optimizer;
         else (parameter, its loaded state tensors, its step) for every parameter."""
-        if not (isinstance(state_dict, dict) and "state" in state_dict and "param_groups" in state_dict):
-            raise ValueError("LowBitAdamW.load_state_dict needs an optimizer state dict with 'state' and "
-                             "'param_groups' (from LowBitAdamW.state_dict())")
+        _require_state_dict(state_dict)
         saved = state_dict["param_groups"]
         sizes = [len(g.get("params", ())) for g in saved]
         if sizes != [len(g["params"]) for g in self.param_groups]:
@@ -537,10 +558,11 @@ class LowBitAdamW(torch.optim.Optimizer):
         return {k: EntrySpec(gshape, shape, dtype, check_kind(k), codecs.get(k, 0))
                 for k, (shape, dtype, gshape) in self._state_specs(p, group).items()}
 
-    def _load(self, state_dict: dict[str, Any], loaded: list) -> None:
-        state = self.state
-        super().load_state_dict({**state_dict, "state": {}})
-        self.state = state  # torch made a new, empty one: the states stay where they are
+    def _load(self, state: dict, loaded: list) -> None:
+        """Put this optimizer's ``state`` back in place of the empty one torch's load made,
+        with the ``loaded`` values (``_check_loadable``) copied in; the saved groups keep
+        the FIXED_OPTIONS as built."""
+        self.state = state
         count = max((g.get(SKIPPED, 0) for g in self.param_groups), default=0)
         for group, fixed in zip(self.param_groups, self._fixed):
             # The saved FIXED_OPTIONS act as the built ones (checked), but may be spelled
@@ -558,6 +580,11 @@ class LowBitAdamW(torch.optim.Optimizer):
                     dst.copy_(src)
             own["step"] = torch.tensor(step)
             self._master_pending.discard(p)  # a loaded master is kept
+        restore_second_moments((self._name(p), self._format(p, g)[0], {k: _local(v) for k, v in self.state[p].items()
+                                if isinstance(v, torch.Tensor)}) for g in self.param_groups for p in g["params"])
+        self._deferred.clear()  # the loaded state replaces what any unread step did
+        self._plans.clear()
+        self._step_plan = None
 
     # ------------------------------------------------------------------------------------
     # the step
@@ -628,6 +655,8 @@ class LowBitAdamW(torch.optim.Optimizer):
         for fam in plan.families:
             group = self.param_groups[fam.group]
             lr, wd = group["lr"], group["weight_decay"]
+            if isinstance(lr, torch.Tensor) and lr.device != fam.device:
+                lr = lr.item()  # the fused kernel reads an lr tensor on its own device only
             if group["maximize"]:  # Adam on the negated gradient, exactly (see torch_flags)
                 lr, wd = -lr, -wd
             hyper = AdamWHyper(lr=lr, beta1=group["betas"][0], beta2=group["betas"][1],
@@ -689,9 +718,20 @@ class LowBitAdamW(torch.optim.Optimizer):
         flagged = [(p, i) for p, i in self._order.items() if i in report.indices]
         where = (f"param '{self._name(flagged[0][0])}'" + (f" (and {len(flagged) - 1} more)" if len(flagged) > 1 else "")
                  if flagged else "a parameter on another rank")
-        found = (describe(flagged[0][1] in report.overflow, {k: _local(v) for k, v in self.state[flagged[0][0]].items()
-                                                              if isinstance(v, torch.Tensor)}, _local(flagged[0][0]))
-                 if flagged else "a non-finite gradient or update")
+        found = "a non-finite gradient or update"
+        if flagged:
+            p, index = flagged[0]
+            group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+            where_group = "the flagged parameter's group"
+            hyper = AdamWHyper(lr=hyper_value(where_group, "lr", group["lr"]),
+                               beta1=hyper_value(where_group, "betas", group["betas"][0]),
+                               beta2=hyper_value(where_group, "betas", group["betas"][1]),
+                               eps=hyper_value(where_group, "eps", group["eps"]),
+                               weight_decay=hyper_value(where_group, "weight_decay", group["weight_decay"]),
+                               step=report.step)
+            found = describe(index in report.overflow,
+                             {k: _local(v) for k, v in self.state[p].items() if isinstance(v, torch.Tensor)},
+                             _local(p), hyper, bool(group["decoupled_weight_decay"]))
         raise FloatingPointError(
             f"{found} in {where} at optimizer step {report.step}: the blocks of its weight and optimizer "
             "state where that step would have written an inf/nan were left as they were, the rest of "
