@@ -104,12 +104,12 @@ STRUCTURAL = (
                "torch.utils._pytree, aten._to_copy/_unsafe_view/_pin_memory",
                "the BitNet weight tensor subclasses and their FSDP2 all-gather extension",
                "none"),
-    PrivateUse("torch", "titan_lowbit/bitnet/*.py, titan_lowbit/optim/adamw.py",
+    PrivateUse("torch", "titan_lowbit/bitnet/*.py, titan_lowbit/optim/*.py",
                "DTensor._local_tensor",
                "the persistent local tensor of a DTensor (to_local() returns a fresh view, "
                "which cannot carry per-weight caches)",
                "none"),
-    PrivateUse("torch", "kernels/bitnet_quant.py (weight_abs_sums), titan_lowbit/optim/adamw.py",
+    PrivateUse("torch", "kernels/bitnet_quant.py (weight_abs_sums), titan_lowbit/optim/nonfinite.py",
                "torch._foreach_norm, torch._foreach_copy_",
                "one launch for the norms of all weights instead of one per weight; "
                "_foreach_norm's result for a tensor depends on that tensor alone, so a weight's "
@@ -121,7 +121,7 @@ STRUCTURAL = (
                "torch._prims_common.make_contiguous_strides_for",
                "collectives and shape checks that torch.compile can trace",
                "none"),
-    PrivateUse("torch", "titan_lowbit/optim/adamw.py",
+    PrivateUse("torch", "titan_lowbit/optim/step_plan.py",
                "torch.distributed.tensor._utils.compute_local_shape_and_global_offset",
                "the global offset of a DTensor shard (stochastic-rounding streams that do not "
                "depend on the sharding)",
