@@ -5,10 +5,12 @@ bitsandbytes' optimizer tests check, written for LowBitAdamW: state dicts throug
 torch.save / torch.load(weights_only=True), deepcopy and pickle, resuming bit for bit;
 loads of damaged state dicts refused naming the parameter and the entry, changing
 nothing; torch.optim.AdamW's keywords and group keys (maximize supported, the others
-refused at non-default values); param groups with their own options, lr as a tensor,
-closures, parameters without gradients, add_param_group, zero_grad; a parameter whose
-shape changes; torch.compile around step(); the skip policy's count through both
-checkpoint paths; and the distance from torch.optim.AdamW per format.
+refused at non-default values); the hyperparameter types torch's AdamW takes (NumPy
+scalars, tensors, an LR scheduler writing NumPy values), refusing what it refuses; the
+load_state_dict hooks; param groups with their own options, lr as a tensor, closures,
+parameters without gradients, add_param_group, zero_grad; a parameter whose shape
+changes; torch.compile around step(); the skip policy's count through both checkpoint
+paths; and the distance from torch.optim.AdamW per format.
 
 Small tensors, a few steps each: on a GPU the parameters of _params live there (the fused
 kernels run), else on the CPU (the kernels' PyTorch reference).
@@ -19,6 +21,7 @@ import inspect
 import io
 import pickle
 
+import numpy as np
 import pytest
 import torch
 
@@ -257,6 +260,58 @@ def test_skipped_steps_survive_torch_save_and_dcp(tmp_path):
     assert all(torch.equal(p, p2) for p, p2 in zip(model.parameters(), model2.parameters()))
 
 
+def _load_with_hooks(opt, sd):
+    """Load ``sd`` into ``opt`` through a pre-hook that sets every step to 7 in a copy it
+    returns, another that sets lr to 0.25 in the dict it was given (returning None), and a
+    post-hook; what the hooks saw."""
+    seen = {}
+
+    def pre_copy(optimizer, state_dict):
+        seen["pre"] = (sorted(state_dict["state"]), len(state_dict["param_groups"]))
+        new = copy.deepcopy(state_dict)
+        for st in new["state"].values():
+            st["step"] = torch.tensor(7.0)
+        return new
+
+    def pre_in_place(optimizer, state_dict):
+        state_dict["param_groups"] = [{**g, "lr": 0.25} for g in state_dict["param_groups"]]
+
+    def post(optimizer):
+        seen["post"] = ([float(optimizer.state[p]["step"]) for g in optimizer.param_groups for p in g["params"]],
+                        optimizer.param_groups[0]["lr"])
+
+    opt.register_load_state_dict_pre_hook(pre_copy)
+    opt.register_load_state_dict_pre_hook(pre_in_place)
+    opt.register_load_state_dict_post_hook(post)
+    opt.load_state_dict(sd)
+    return seen
+
+
+def test_load_state_dict_hooks_see_and_change_what_torchs_do():
+    """Side by side with torch.optim.AdamW: the pre-hooks get the whole state dict (state
+    and param groups) and what they return or change is what is loaded; the post-hook
+    sees the loaded state. A state dict a pre-hook damages is refused like a damaged one."""
+    seen = {}
+    for name, build in (("torch", lambda ps: torch.optim.AdamW(ps.values(), lr=1e-2)),
+                        ("ours", lambda ps: _opt(ps, state_format="8bit"))):
+        params = _params()
+        opt = build(params)
+        _run(params, opt, 2)
+        twin = build(_params(seed=1))
+        seen[name] = _load_with_hooks(twin, opt.state_dict())
+        assert all(int(st["step"]) == 7 for st in twin.state.values()) and twin.param_groups[0]["lr"] == 0.25
+    assert seen["ours"] == seen["torch"] == {"pre": ([0, 1, 2], 1), "post": ([7.0, 7.0, 7.0], 0.25)}
+
+    params = _params()
+    opt = _opt(params, state_format="8bit")
+    _run(params, opt, 2)
+    twin = _opt(_params(seed=1), state_format="8bit")
+    twin.register_load_state_dict_pre_hook(lambda o, sd: {**sd, "state": {**sd["state"], 1: {}}})
+    with pytest.raises(ValueError, match="param 'v': the state dict holds no optimizer state for it"):
+        twin.load_state_dict(opt.state_dict())
+    assert all(int(st["step"]) == 0 for st in twin.state.values())
+
+
 # ---- torch.optim.AdamW's flags ---------------------------------------------------------------
 
 
@@ -350,9 +405,11 @@ def test_param_groups_with_own_options_step_as_separate_optimizers(fmt):
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 
-def test_lr_as_a_tensor_equals_lr_as_a_float():
+@pytest.mark.parametrize("lr_device", sorted({DEVICE, "cpu"}))
+def test_lr_as_a_tensor_equals_lr_as_a_float(lr_device):
+    """On the parameters' device (read there) or on the CPU with parameters on a GPU."""
     a, b = _params(), _params()
-    opt_a = _opt(a, lr=torch.tensor(1e-2, device=DEVICE))
+    opt_a = _opt(a, lr=torch.tensor(1e-2, device=lr_device))
     opt_b = _opt(b, lr=1e-2)
     _run(a, opt_a, 2)
     _run(b, opt_b, 2)
@@ -361,6 +418,88 @@ def test_lr_as_a_tensor_equals_lr_as_a_float():
     before = {n: p.detach().clone() for n, p in a.items()}
     _run(a, opt_a, 1, start=2)
     assert all(torch.equal(a[n], before[n]) for n in a)
+
+
+def _as_float(value):
+    """A hyperparameter of any accepted type as the Python float(s) it stands for."""
+    if isinstance(value, (tuple, list, np.ndarray)) or (isinstance(value, torch.Tensor) and value.numel() > 1):
+        return tuple(_as_float(v) for v in value)
+    return value.item() if isinstance(value, (torch.Tensor, np.generic)) else value
+
+
+# hyperparameters of the types torch.optim.AdamW takes (NumPy scalars, one-element tensors)
+TORCH_TYPES = [("lr", np.float32(1e-2)), ("lr", np.float64(1e-2)), ("lr", torch.tensor([1e-2])),
+               ("betas", (torch.tensor(0.8), torch.tensor(0.95))), ("betas", torch.tensor([0.8, 0.95])),
+               ("betas", np.array([0.8, 0.95])), ("eps", np.float32(1e-6)), ("eps", torch.tensor(1e-6)),
+               ("weight_decay", np.float32(0.1)), ("weight_decay", torch.tensor(0.1))]
+
+
+@pytest.mark.parametrize("key,value", TORCH_TYPES, ids=[f"{k}-{type(v).__name__}-{i}"
+                                                      for i, (k, v) in enumerate(TORCH_TYPES)])
+def test_hyperparameters_of_torchs_types_step_as_their_floats(key, value):
+    """Each steps bit for bit as the Python float it holds; torch.optim.AdamW takes it too,
+    and fp32 states stay as close to it as with floats."""
+    a, b, ref = _params(), _params(), _params()
+    opt_a = _opt(a, state_format="fp32", **{key: value})
+    opt_b = _opt(b, state_format="fp32", **{key: _as_float(value)})
+    torch_opt = torch.optim.AdamW(ref.values(), **{"lr": 1e-2, key: value})
+    for params, opt in ((a, opt_a), (b, opt_b), (ref, torch_opt)):
+        _run(params, opt, 3)
+    assert all(torch.equal(a[n], b[n]) for n in a) and not torch.equal(a["w"], _params()["w"])
+    for n in a:
+        torch.testing.assert_close(a[n], ref[n], rtol=1e-5, atol=1e-6)
+
+
+# hyperparameters torch.optim.AdamW refuses (and two it takes but LowBitAdamW refuses: an
+# infinite weight_decay or lr would write inf weights)
+REFUSED_HYPERPARAMETERS = [
+    ("lr", -1.0, r"lr=-1.0 is invalid"), ("lr", np.float32("nan"), r"lr=np.float32\(nan\) is invalid"),
+    ("lr", torch.tensor(-1.0), r"lr=-1.0 is invalid"),
+    ("lr", torch.tensor([1e-3, 1e-3]), r"lr is a torch.float32 tensor of shape \(2,\)"),
+    ("lr", "0.1", r"lr='0.1' is a str; use a number"), ("lr", float("inf"), r"lr=inf is invalid"),
+    ("betas", (1.0, 0.999), r"betas=\(1.0, 0.999\); each beta must lie in \[0, 1\)"),
+    ("betas", (torch.tensor([0.9, 0.9]), torch.tensor(0.999)), r"betas is a torch.float32 tensor of shape \(2,\)"),
+    ("betas", ("0.9", 0.999), r"betas='0.9' is a str"),
+    ("eps", float("nan"), r"eps=nan; use eps >= 0"), ("eps", "1e-8", r"eps='1e-8' is a str"),
+    ("weight_decay", -0.1, r"weight_decay=-0.1; use a finite weight_decay >= 0"),
+    ("weight_decay", np.float32("nan"), r"weight_decay=np.float32\(nan\); use a finite"),
+    ("weight_decay", "0.01", r"weight_decay='0.01' is a str"),
+    ("weight_decay", float("inf"), r"weight_decay=inf; use a finite weight_decay >= 0"),
+]
+TORCH_TAKES = {("lr", "inf"), ("weight_decay", "inf")}
+
+
+@pytest.mark.parametrize("key,value,match", REFUSED_HYPERPARAMETERS,
+                         ids=[f"{k}-{v!r}" for k, v, _ in REFUSED_HYPERPARAMETERS])
+def test_refused_hyperparameters_name_the_parameter(key, value, match):
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    if (key, repr(value)) not in TORCH_TAKES:
+        with pytest.raises((ValueError, TypeError, RuntimeError)):
+            torch.optim.AdamW([w], **{key: value})
+    with pytest.raises(ValueError, match=rf"param group 0: {match}"):
+        LowBitAdamW([w], **{key: value})
+    opt = LowBitAdamW([w])
+    w.grad = torch.randn_like(w)
+    opt.param_groups[0][key] = value  # set at run time: refused before the step touches anything
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    assert int(opt.state[w]["step"]) == 0
+
+
+def test_lr_scheduler_writing_numpy_values_trains_as_torchs():
+    """A LambdaLR whose lambda returns np.float32 writes NumPy lrs into the group at every
+    step; LowBitAdamW (fp32 states) steps on as close to torch.optim.AdamW as with floats."""
+    a, ref = _params(), _params()
+    opts = [_opt(a, state_format="fp32"), torch.optim.AdamW(ref.values(), lr=1e-2)]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: np.float32(0.5) ** s) for o in opts]
+    for s in range(3):
+        for params, opt, sched in zip((a, ref), opts, scheds):
+            _grads(params, s)
+            opt.step()
+            sched.step()
+    assert type(opts[0].param_groups[0]["lr"]) is np.float32
+    for n in a:
+        torch.testing.assert_close(a[n], ref[n], rtol=1e-5, atol=1e-6)
 
 
 def test_closure_is_evaluated_with_grad_and_its_loss_returned():

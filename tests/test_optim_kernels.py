@@ -422,6 +422,7 @@ def test_optimizer_launch_plans_match_reference_path():
     whole-tile/ragged variants, cached tables, gradients re-uploaded when they move) gives
     the same bits as its reference path. Runs the kernel under the interpreter on CPU."""
     from titan_lowbit.optim import adamw as A
+    from titan_lowbit.optim.tensors import local
 
     shapes = [(64, 256), (33, 300), (4096,), (2, 3, 1024), (17,), (8, 512)]
     gen = torch.Generator().manual_seed(0)
@@ -462,6 +463,7 @@ def test_fused_path_nonfinite_gradient_changes_nothing(policy):
     raises naming the parameter before it changes anything. Then a finite step equals the
     reference's."""
     from titan_lowbit.optim import adamw as A
+    from titan_lowbit.optim.tensors import local
 
     gen = torch.Generator().manual_seed(1)
     base = [torch.randn(s, generator=gen) for s in [(16, 256), (300,), (8, 512)]]
@@ -518,6 +520,7 @@ def test_fused_path_updates_bitnet_weights_in_place():
     kernels must update its inner tensor, giving the same bits as the reference path."""
     from titan_lowbit.bitnet import convert_to_bitnet
     from titan_lowbit.optim import adamw as A
+    from titan_lowbit.optim.tensors import local
 
     def model():
         torch.manual_seed(0)
@@ -532,13 +535,13 @@ def test_fused_path_updates_bitnet_weights_in_place():
     fused._use_fused = lambda t: True
     ref._use_fused = lambda t: False
     x = torch.randn(16, 64, device=DEV)
-    before = A._local(mf[0].weight).clone()
+    before = local(mf[0].weight).clone()
     for m, opt in ((mf, fused), (mr, ref)):
         m(x).square().mean().backward()
         opt.step()
-    assert not torch.equal(A._local(mf[0].weight), before)
+    assert not torch.equal(local(mf[0].weight), before)
     for (name, a), b in zip(mf.named_parameters(), mr.parameters()):
         if CUDA:
-            torch.testing.assert_close(A._local(a), A._local(b), rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(local(a), local(b), rtol=1e-5, atol=1e-6, msg=name)
         else:
-            assert torch.equal(A._local(a), A._local(b)), name
+            assert torch.equal(local(a), local(b)), name

@@ -1,6 +1,7 @@
 """Non-finite protection of the whole update (issue 30, defect 3): a finite gradient whose
-square overflows fp32 (|g| >= 2**64) and a non-finite scale in the state are caught by
-the raise/skip policy, naming the parameter and what was found; nothing non-finite is
+square overflows fp32 (|g| >= 2**64), hyperparameters that overflow the update (blamed by
+name) and a non-finite scale in the state are caught by the raise/skip policy, naming the
+parameter and what was found; nothing non-finite is
 written into a weight or a state. The kernel (interpreter) and the reference leave the same
 blocks and flag the same kind."""
 
@@ -67,6 +68,38 @@ def test_gradient_whose_square_overflows_is_skipped(fmt, caplog):
     g[1, 7] = 1.8e19  # just below 2**64: its square is finite, the step runs
     opt.step()
     assert opt.skipped_steps == 1 and bool(w.detach().isfinite().all())
+
+
+# (optimizer options, gradient's largest magnitude, what the error must blame)
+OVERFLOW_CAUSES = {
+    "lr": (dict(lr=3e38), 1.0, r"lr=3e\+38 makes the step size lr / \(1 - beta1\*\*1\) = 3e\+39"),
+    "lr x weight_decay": (dict(lr=1e30, weight_decay=1e10), 1.0, r"lr \* weight_decay = 1e\+40 scales weights"),
+    "L2 weight_decay": (dict(weight_decay=1e20, decoupled_weight_decay=False), 1.0,
+                        r"weight_decay=1e\+20 adds up to .* to the gradient \(decoupled_weight_decay=False\)"),
+    "gradient": (dict(), 2e19, r"a finite gradient whose square overflows fp32"),
+}
+
+
+@pytest.mark.parametrize("cause,policy", [(c, p) for c in OVERFLOW_CAUSES for p in ("raise", "skip")
+                                          if (c, p) != ("gradient", "skip")])  # that one is skipped: above
+def test_an_overflowing_update_blames_its_cause(cause, policy):
+    """A normal gradient with lr = 3e38 (or lr * weight_decay, or an L2 term, past fp32)
+    overflows the update, not the gradient's square: the error says so, naming the
+    hyperparameter ("skip"'s check reads gradients only: the kernels' guard raises); a
+    gradient of 2e19 under normal hyperparameters is blamed itself."""
+    options, gmax, match = OVERFLOW_CAUSES[cause]
+    w = torch.nn.Parameter(torch.randn(4, 256, generator=torch.Generator().manual_seed(0)))
+    opt = LowBitAdamW([("layer.w", w)], state_format="8bit", min_quantized_numel=0, nonfinite_grad=policy,
+                      **{"lr": 1e-3, **options})
+    g = torch.randn(4, 256, generator=torch.Generator().manual_seed(1)).clamp(-1, 1)
+    g[2, 9] = gmax
+    w.grad = g
+    opt.step()
+    with pytest.raises(FloatingPointError, match=rf"an update that overflows: {match}.* in param 'layer.w' at "
+                                                 "optimizer step 1") as err:
+        opt.check_nonfinite()
+    assert ("a finite gradient whose square overflows" in str(err.value)) == (cause == "gradient")
+    assert bool(w.detach().isfinite().all())
 
 
 @pytest.mark.parametrize("fmt", ["8bit", "4bit", "fp8"])

@@ -1,15 +1,15 @@
 """``LowBitAdamW``: one AdamW for every state format and BF16 weight-update rule.
 
 The optimizer is a drop-in ``torch.optim.Optimizer``. It owns the *front end*: parameter
-groups, validation with errors that name the parameter, eager state creation with the
-parameter's DTensor placements, the non-finite-gradient policy, and grouping of tensors
-into launch *families*. The math runs in ``titan_lowbit.kernels.adamw_lowbit``: the fused
+groups (their options and checks: ``group_options``), eager state creation with the
+parameter's DTensor placements, state dicts (what a load must pass: ``state_dict``), the
+non-finite-gradient policy (``nonfinite``) and the step, which launches what its
+``step_plan`` packed. The math runs in ``titan_lowbit.kernels.adamw_lowbit``: the fused
 Triton kernel on CUDA, its op-for-op PyTorch reference elsewhere.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import math
@@ -17,135 +17,33 @@ import operator
 from typing import Any, Iterable, Optional
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from titan_lowbit.kernels.adamw_interface import (
-    UPDATE_NEAREST,
-    WEIGHT_UPDATES,
-    AdamWConfig,
-    AdamWHyper,
-    AdamWTensor,
-)
-from titan_lowbit.kernels.adamw_lowbit import MAX_TENSORS_PER_LAUNCH, FusedAdamW
+from titan_lowbit.kernels.adamw_interface import WEIGHT_UPDATES, AdamWHyper  # WEIGHT_UPDATES: named here for users
 from titan_lowbit.kernels.adamw_lowbit_ref import adamw_step_reference
-from titan_lowbit.kernels.quant_maps import is_block_size, tensor_key
 
-from .formats import STATE_FORMATS, StateFormat, block_of, param_format
+from .formats import param_format, state_specs
+from .group_options import (
+    FIXED_OPTIONS,
+    NONFINITE_POLICIES,
+    SKIPPED,
+    SUPPORTED_PARAM_DTYPES,
+    check_group,
+    check_param,
+)
+from .hyperparams import hyper_value
 from .nonfinite import DeferredNonfiniteCheck, describe, precheck_launch, precheck_result
 from .second_moment import restore_second_moments
-from .state_dict import (
-    EntrySpec,
-    check_kind,
-    check_step,
-    check_structure,
-    find_value_problems,
-    value_error,
-)
-from .torch_flags import TORCH_FLAGS, check_torch_flags, with_torch_defaults
+from .state_dict import check_loadable, require_state_dict
+from .step_plan import StepPlan, build_step_plan, fused_launches, kernel_tensor
+from .tensors import like_param, local
+from .torch_flags import TORCH_FLAGS
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16)
 _ARENA_ALIGN = 128  # bytes: every state tensor starts on a vector- and cache-line boundary
-NONFINITE_POLICIES = ("raise", "skip", "ignore")
-# Group options fixed once a group's states exist: they set the states' layout, or the kernel
-# configuration cached in the step plan. The hyperparameters (lr, betas, eps, weight_decay)
-# may change at any time (LR schedulers do) and are restored from a loaded state dict.
-# maximize: the stored first moment is that of the gradient as given (see torch_flags).
-FIXED_OPTIONS = ("state_format", "block_size", "weight_update", "min_quantized_numel", "decoupled_weight_decay",
-                 "maximize")
-# The optimizer's count of skipped steps (nonfinite_grad="skip"), kept in every param group
-# so that torch.save and torch.distributed.checkpoint (which saves group keys, not extra
-# attributes) carry it.
-SKIPPED = "skipped_steps"
-# The FIXED_OPTIONS titan_lowbit.optim.convert_state_dict converts between (the layout of
-# the states), and the call the refusals name for it.
-CONVERTIBLE_OPTIONS = ("state_format", "block_size", "weight_update", "min_quantized_numel")
-CONVERT_CALL = "optimizer.load_state_dict(titan_lowbit.optim.convert_state_dict(state_dict, to=optimizer))"
-
-
-def _fixed_value(group: dict[str, Any], key: str) -> Any:
-    """A FIXED_OPTIONS value as it acts on the math: block_size 0 is the format's default."""
-    if key == "block_size" and group.get("state_format") in STATE_FORMATS:
-        return block_of(group["state_format"], group[key])
-    return group[key]
-
-
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-_GRAD, _DTYPE, _LAYOUT, _SHAPE = (operator.attrgetter(a) for a in ("grad", "dtype", "layout", "shape"))
+_GRAD = operator.attrgetter("grad")
 _NONES = itertools.repeat(None)  # compared with a list by operator.is_not in one C-level map
-_LOCAL_TENSOR, _SPEC, _PLACEMENTS = (operator.attrgetter(a) for a in ("_local_tensor", "_spec", "placements"))
-# How a step plan's parameters reach their local tensors: "plain" (tensors or Parameters,
-# their own local tensor), "dtensor" (DTensors over plain local shards: FSDP2, TP) or
-# "other" (anything else, e.g. BitNet's wrapper subclass: per parameter through _local).
-PLAIN, DTENSOR, OTHER = "plain", "dtensor", "other"
-
-
-def _param_kind(params: list[torch.Tensor]) -> str:
-    if all(type(p) in _PLAIN_TYPES for p in params):
-        return PLAIN
-    if all(type(p) is DTensor and type(p._local_tensor) is torch.Tensor for p in params):
-        return DTENSOR
-    return OTHER
-
-
-def _all_type(tensors: list, cls: type) -> bool:
-    """Every element is exactly of type ``cls`` (one C-level map)."""
-    return all(map(operator.is_, map(type, tensors), itertools.repeat(cls)))
-
-
-def _local_ptrs(tensors: list[torch.Tensor], kind: str) -> list[int]:
-    """``_local(t).data_ptr()`` of every tensor (checked for every parameter at every step),
-    through C-level maps where the step plan's ``kind`` allows (DTensors: if their local
-    shards are still plain tensors)."""
-    if kind == PLAIN:
-        return list(map(torch.Tensor.data_ptr, tensors))
-    if kind == DTENSOR:
-        local = list(map(_LOCAL_TENSOR, tensors))
-        if _all_type(local, torch.Tensor):
-            return list(map(torch.Tensor.data_ptr, local))
-    return [_local(t).data_ptr() for t in tensors]
-
-
-def _picker(positions: list[int]):
-    """``lambda xs: [xs[i] for i in positions]`` as one C-level ``itemgetter`` call."""
-    if len(positions) == 1:
-        i = positions[0]
-        return lambda xs: [xs[i]]
-    get = operator.itemgetter(*positions)
-    return lambda xs: list(get(xs))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The plain local tensor the kernels update in place: a DTensor's local shard (without
-    the overhead of ``to_local()``), and inside it the one inner tensor of a wrapper
-    subclass (e.g. BitNet's training weight, whose own ``data_ptr()`` is 0)."""
-    if type(t) in _PLAIN_TYPES:  # the common case, checked for every parameter at every step
-        return t
-    if isinstance(t, DTensor):
-        t = t._local_tensor
-    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
-        inner, _ = t.__tensor_flatten__()
-        if len(inner) != 1:
-            raise TypeError(f"LowBitAdamW cannot update a {type(t).__name__} holding "
-                            f"{len(inner)} tensors; it needs one plain tensor per parameter")
-        t = getattr(t, inner[0])
-    return t
-
-
-def _is_distributed(params: list[torch.Tensor]) -> bool:
-    """Whether a step's non-finite decision must be shared by all ranks: DTensor
-    parameters in a process group of several ranks (every rank must take the same one)."""
-    return (torch.distributed.is_available() and torch.distributed.is_initialized()
-            and torch.distributed.get_world_size() > 1 and any(isinstance(p, DTensor) for p in params))
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= s
-    return tuple(reversed(stride))
 
 
 class LowBitAdamW(torch.optim.Optimizer):
@@ -155,8 +53,9 @@ class LowBitAdamW(torch.optim.Optimizer):
         params: parameters, ``(name, parameter)`` pairs (names then appear in every error),
             or parameter groups (dicts); every option below except ``seed`` and
             ``nonfinite_grad`` can be set per group.
-        lr: learning rate, a float or a 0-dim tensor (read on the device, no sync).
-        betas, eps, weight_decay: as in ``torch.optim.AdamW``.
+        lr: learning rate, a number or a one-element tensor (read on the device, no sync).
+        betas, eps, weight_decay: as in ``torch.optim.AdamW``; each hyperparameter may be
+            of any type torch takes (NumPy scalars, tensors: see ``hyperparams``).
         state_format: "fp32", "bf16", "8bit" (dynamic tree, block 256), "4bit" (dynamic
             exponent m / linear v, block 128) or "fp8" (e4m3, block 128).
         decoupled_weight_decay: True for AdamW, False for Adam (weight decay added to the
@@ -210,11 +109,8 @@ class LowBitAdamW(torch.optim.Optimizer):
         self.grads_checked = False
         self._names: dict[torch.Tensor, str] = {}
         self._order: dict[torch.Tensor, int] = {}
-        self._plans: dict[tuple, list[FusedAdamW]] = {}
-        # The step counts of all parameters live in one CPU tensor; each state["step"] is a
-        # 0-d view of it, so a step bumps them all with one op (rebuilt with the step plan).
-        self._steps_buf: Optional[torch.Tensor] = None
-        self._step_plan: Optional[_StepPlan] = None
+        self._plans: dict[tuple, tuple] = {}  # packed launches per family (step_plan.fused_launches)
+        self._step_plan: Optional[StepPlan] = None
         # Launch shape of the fused kernel (FusedAdamW's elems_per_program, num_warps, maxnreg);
         # empty = the kernel's tuned defaults. For benchmarks and tuning only.
         self.launch_options: dict[str, int] = {}
@@ -240,8 +136,7 @@ class LowBitAdamW(torch.optim.Optimizer):
             group[SKIPPED] = count
 
     # Rebuilt by the next step from the state; a copy or pickle leaves them behind.
-    _CACHES = {"_plans": dict, "_step_plan": lambda: None, "_steps_buf": lambda: None,
-               "_deferred": DeferredNonfiniteCheck}
+    _CACHES = {"_plans": dict, "_step_plan": lambda: None, "_deferred": DeferredNonfiniteCheck}
 
     def __getstate__(self) -> dict[str, Any]:
         """All of this optimizer but its launch caches, so a ``copy.deepcopy`` or a pickle
@@ -273,7 +168,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         group = self.param_groups[gi]
         group[SKIPPED] = count
         try:
-            self._check_group(group, f"param group {gi}")
+            check_group(group, f"param group {gi}")
             names = group.get("param_names")
             seen: set[torch.Tensor] = set()
             for pi, p in enumerate(group["params"]):
@@ -284,7 +179,7 @@ class LowBitAdamW(torch.optim.Optimizer):
                 seen.add(p)
                 self._names[p] = name
                 self._order[p] = len(self._order)
-                self._check_param(p, group)
+                check_param(p, group, name)
             self._init_states(group["params"], group)
         except BaseException:
             del self.param_groups[gi:]
@@ -305,86 +200,6 @@ class LowBitAdamW(torch.optim.Optimizer):
         names = [f"'{self._name(p)}'" for p in params[:3]] + (["..."] if len(params) > 3 else [])
         return f"param group {gi} ({len(params)} params: {', '.join(names)})"
 
-    def _check_group(self, group: dict[str, Any], where: str) -> None:
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor):
-            if lr.numel() != 1:
-                raise ValueError(f"{where}: lr tensor must hold one value, got shape {tuple(lr.shape)}")
-            if lr.device.type == "cpu" and not (lr.item() >= 0 and math.isfinite(lr.item())):
-                raise ValueError(f"{where}: lr={lr.item()} is invalid; use a finite lr >= 0")
-        elif not isinstance(lr, (int, float)) or lr < 0 or not math.isfinite(lr):
-            raise ValueError(f"{where}: lr={lr!r} is invalid; use a finite float >= 0")
-        betas = group["betas"]
-        if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"{where}: betas={betas!r}; each beta must lie in [0, 1)")
-        if not (isinstance(group["eps"], (int, float)) and group["eps"] >= 0):
-            raise ValueError(f"{where}: eps={group['eps']!r}; use eps >= 0")
-        if not (isinstance(group["weight_decay"], (int, float)) and group["weight_decay"] >= 0):
-            raise ValueError(f"{where}: weight_decay={group['weight_decay']!r}; use weight_decay >= 0")
-        if group["state_format"] not in STATE_FORMATS:
-            raise ValueError(f"{where}: state_format={group['state_format']!r}; choose one of {list(STATE_FORMATS)}")
-        if group["weight_update"] not in WEIGHT_UPDATES:
-            raise ValueError(f"{where}: weight_update={group['weight_update']!r}; choose one of {list(WEIGHT_UPDATES)}")
-        bs = group["block_size"]
-        if not is_block_size(bs):
-            raise ValueError(f"{where}: block_size={bs!r}; use 0 (the format's default) or a power of two >= 2")
-        if not isinstance(group["min_quantized_numel"], int) or group["min_quantized_numel"] < 0:
-            raise ValueError(f"{where}: min_quantized_numel={group['min_quantized_numel']!r}; use an int >= 0")
-        check_torch_flags(group, where)
-        skipped = group.get(SKIPPED, 0)
-        if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
-            raise ValueError(f"{where}: {SKIPPED}={skipped!r}; the count of skipped steps is an int >= 0")
-
-    def _format(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[StateFormat, int]:
-        """The effective state format and block size of a parameter."""
-        return param_format(p, group)
-
-    def _check_param(self, p: torch.Tensor, group: dict[str, Any]) -> None:
-        name = self._name(p)
-        if p.is_complex():
-            raise TypeError(f"param '{name}' is complex ({p.dtype}); LowBitAdamW steps real parameters only: "
-                            "view it as real (torch.view_as_real) or use torch.optim.AdamW for it")
-        if not p.is_floating_point():
-            raise TypeError(f"param '{name}' has integer dtype {p.dtype}; only float32/bfloat16 parameters "
-                            "can be optimized: exclude it from the optimizer")
-        if p.dtype not in SUPPORTED_PARAM_DTYPES:
-            raise TypeError(f"param '{name}' has dtype {p.dtype}; LowBitAdamW holds float32 or bfloat16 "
-                            "parameters: cast the model to one of them")
-        if p.is_sparse or (isinstance(p, DTensor) and p._local_tensor.is_sparse):
-            raise TypeError(f"param '{name}' is sparse; LowBitAdamW needs dense parameters")
-        if not _local(p).is_contiguous():
-            raise ValueError(f"param '{name}' is not contiguous; LowBitAdamW updates parameters in place "
-                             "and needs contiguous storage: call .contiguous() on it before building the optimizer")
-        fmt, block = self._format(p, group)
-        if isinstance(p, DTensor) and fmt.quantized and p.dim() >= 1:
-            cols = p.shape[-1]
-            shards = 1
-            for mesh_dim, pl in enumerate(p.placements):
-                if isinstance(pl, Shard) and pl.dim in (-1, p.dim() - 1):
-                    shards *= p.device_mesh.size(mesh_dim)
-            if shards > 1 and cols % (block * shards):
-                fits = [b for b in (256, 128, 64, 32, 16, 8, 4, 2) if cols % (b * shards) == 0]
-                hint = (f"set block_size={fits[0]} (it divides {cols} / {shards} shards)" if fits else
-                        "shard another dimension, or use state_format='fp32'/'bf16' for it")
-                raise ValueError(
-                    f"param '{name}' ({tuple(p.shape)}) is sharded {shards} ways along its last dimension, which "
-                    f"splits its {fmt.name} quantization blocks of {block}: {hint}")
-
-    def _state_specs(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, tuple]:
-        """State tensor name -> (local shape, dtype, global shape) of one parameter."""
-        fmt, block = self._format(p, group)
-        local = _local(p)
-        shapes = fmt.state_shapes(tuple(local.shape), block)
-        gshapes = fmt.state_shapes(tuple(p.shape), block)
-        specs = {k: (shape, dtype, gshapes[k][0]) for k, (shape, dtype) in shapes.items()}
-        if p.dtype == torch.bfloat16 and group["weight_update"] == "master":
-            specs["master"] = (tuple(local.shape), torch.float32, tuple(p.shape))
-        elif p.dtype == torch.bfloat16 and group["weight_update"] == "kahan":
-            specs["kahan_comp"] = (tuple(local.shape), torch.bfloat16, tuple(p.shape))
-        elif p.dtype == torch.bfloat16 and group["weight_update"] == "master_remainder":
-            specs["master_remainder"] = (tuple(local.shape), torch.int16, tuple(p.shape))
-        return specs
-
     def _init_states(self, params: list[torch.Tensor], group: dict[str, Any]) -> None:
         """Create the group's states now (not at the first step), so a checkpoint can be
         loaded into them before training starts and DCP sees real tensors.
@@ -404,39 +219,32 @@ class LowBitAdamW(torch.optim.Optimizer):
         layout: list[tuple[torch.Tensor, str, tuple, torch.dtype, tuple, int]] = []
         used: dict[tuple[torch.device, torch.dtype], int] = {}  # elements
         for p in todo:
-            dev = _local(p).device
-            for key, (shape, dtype, gshape) in self._state_specs(p, group).items():
+            dev = local(p).device
+            for key, (shape, dtype, gshape) in state_specs(p, group).items():
                 align = max(1, _ARENA_ALIGN // dtype.itemsize)
                 start = -(-used.get((dev, dtype), 0) // align) * align
                 used[(dev, dtype)] = start + math.prod(shape)
                 layout.append((p, key, shape, dtype, gshape, start))
         arenas = {(dev, dtype): torch.zeros(max(n, 1), dtype=dtype, device=dev) for (dev, dtype), n in used.items()}
         for p, key, shape, dtype, gshape, start in layout:
-            arena = arenas[(_local(p).device, dtype)]
-            local = arena[start:start + math.prod(shape)].view(shape)
+            arena = arenas[(local(p).device, dtype)]
+            view = arena[start:start + math.prod(shape)].view(shape)
             if key == "master":
-                local.copy_(_local(p).detach())
+                view.copy_(local(p).detach())
                 self._master_pending.add(p)
-            self.state[p][key] = self._wrap(p, local, gshape)
+            self.state[p][key] = like_param(p, view, gshape)
         for p in todo:
             self.state[p]["step"] = torch.tensor(0.0)
-
-    @staticmethod
-    def _wrap(p: torch.Tensor, local: torch.Tensor, global_shape: tuple[int, ...]) -> torch.Tensor:
-        if not isinstance(p, DTensor):
-            return local
-        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
-                                  shape=torch.Size(global_shape), stride=_contiguous_stride(global_shape))
 
     def state_bytes_per_param(self) -> float:
         """Optimizer-state bytes per parameter element (local shards; ``step`` excluded)."""
         nbytes = numel = 0
         for group in self.param_groups:
             for p in group["params"]:
-                numel += _local(p).numel()
+                numel += local(p).numel()
                 for key, val in self.state[p].items():
                     if key != "step" and isinstance(val, torch.Tensor):
-                        loc = _local(val)
+                        loc = local(val)
                         nbytes += loc.numel() * loc.element_size()
         return nbytes / max(numel, 1)
 
@@ -456,91 +264,41 @@ class LowBitAdamW(torch.optim.Optimizer):
         checked (entries, dtypes, shapes, ``step``, finite values: see ``state_dict``),
         then copied into this optimizer's own state tensors (moved, never cast), which
         keep their arenas; torch.distributed.checkpoint has loaded into those already.
+
+        Torch's own ``load_state_dict`` runs, with its hooks in its order: the check runs
+        as the last load pre-hook, on the state dict the user's pre-hooks returned (the
+        rest of torch's load then sees it without state, which it would cast), and the
+        states are loaded by the first post-hook, so the user's post-hooks see them.
         """
-        loaded = self._check_loadable(state_dict)
+        if not isinstance(state_dict, dict):  # torch's load would fail on it with less to say
+            require_state_dict(state_dict)
+        loaded: list = []
         before = (self.state, self.param_groups, self._master_pending)
-        try:  # torch replaces the groups, never changes them: put them back
-            self._load(state_dict, loaded)
-        except BaseException:
-            self.state, self.param_groups, self._master_pending = before
-            raise
-        restore_second_moments((self._name(p), self._format(p, g)[0], {k: _local(v) for k, v in self.state[p].items()
-                                if isinstance(v, torch.Tensor)}) for g in self.param_groups for p in g["params"])
-        self._deferred.clear()  # the loaded state replaces what any unread step did
-        self._plans.clear()
-        self._step_plan = None
 
-    def _check_loadable(self, state_dict: dict[str, Any]) -> list[tuple[torch.Tensor, dict[str, torch.Tensor], float]]:
-        """Raise, before anything changes, when ``state_dict`` does not fit this optimizer;
-        else (parameter, its loaded state tensors, its step) for every parameter."""
-        if not (isinstance(state_dict, dict) and "state" in state_dict and "param_groups" in state_dict):
-            raise ValueError("LowBitAdamW.load_state_dict needs an optimizer state dict with 'state' and "
-                             "'param_groups' (from LowBitAdamW.state_dict())")
-        saved = state_dict["param_groups"]
-        sizes = [len(g.get("params", ())) for g in saved]
-        if sizes != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError(f"the state dict has param groups of {sizes} parameters, this optimizer of "
-                             f"{[len(g['params']) for g in self.param_groups]}: build the optimizer with the "
-                             "param groups the state dict was saved with")
-        for gi, (s, g) in enumerate(zip(saved, self.param_groups)):
-            missing = [k for k in self.defaults if k not in s and k not in TORCH_FLAGS]
-            if missing:
-                raise ValueError(f"param group {gi} of the state dict has no {missing}: it was not saved by "
-                                 "LowBitAdamW (torch.optim.AdamW's?). Load a LowBitAdamW state dict, start "
-                                 "the optimizer state afresh (load the model weights only), or convert a "
-                                 f"torch Adam/AdamW state dict explicitly: {CONVERT_CALL}")
-            s = with_torch_defaults(s)
-            for k in FIXED_OPTIONS:
-                if _fixed_value(s, k) != _fixed_value(g, k):
-                    raise ValueError(
-                        f"{self._group_desc(gi)}: the state dict was saved with {k}={s[k]!r}, this optimizer "
-                        f"was built with {k}={g[k]!r} (torch would silently go on with the saved one). Build "
-                        f"the optimizer with {k}={s[k]!r} to resume it, or start the optimizer state afresh"
-                        + (f", or convert the states into this optimizer's layout: {CONVERT_CALL}"
-                           if k in CONVERTIBLE_OPTIONS else ""))
-            self._check_group({**g, **s}, f"param group {gi} of the state dict")
-        known = {i for g in saved for i in g["params"]}
-        unknown = [k for k in state_dict["state"] if k not in known]
-        if unknown:
-            raise ValueError(f"the state dict holds state for parameter ids {unknown[:5]} that no param group "
-                             "lists; it is damaged or not an optimizer state dict")
-        loaded, checks, where = [], [], []
-        for s, group in zip(saved, self.param_groups):
-            for key, p in zip(s["params"], group["params"]):
-                name, state = self._name(p), state_dict["state"].get(key)
-                if not state:  # LowBitAdamW saves every parameter's state (made at construction)
-                    raise ValueError(
-                        f"param '{name}': the state dict holds no optimizer state for it, so it "
-                        "would restart from zero moments (and its master weight from the bf16 value) while "
-                        "the others resume: the state dict is incomplete or not this optimizer's. Load a "
-                        "complete one, or start the optimizer state afresh")
-                specs = self._entry_specs(p, group)
-                fmt, block = self._format(p, group)
-                sharded = next((v for v in self.state[p].values() if isinstance(v, DTensor)), None)
-                check_structure(name, state, specs, sharded,
-                                f"state_format={fmt.name!r}, block {block}, weight_update={group['weight_update']!r}")
-                step = check_step(name, state["step"])
-                for k, spec in specs.items():
-                    checks.append((state[k], spec))
-                    where.append((name, k))
-                loaded.append((p, {k: state[k] for k in specs}, step))
-        params = [p for g in self.param_groups for p in g["params"]]
-        for (name, k), (_, spec), bad in zip(where, checks, find_value_problems(checks, _is_distributed(params))):
-            if bad:
-                raise value_error(name, k, spec)
-        return loaded
+        def check(_, checked_dict: dict[str, Any]) -> dict[str, Any]:
+            loaded.extend(check_loadable(self, checked_dict))
+            return {**checked_dict, "state": {}}
 
-    def _entry_specs(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, EntrySpec]:
-        """What each state tensor of ``p`` must be, for checking a loaded state."""
-        fmt, _ = self._format(p, group)
-        codecs = {"exp_avg_codes": fmt.m_codec, "exp_avg_sq_codes": fmt.v_codec}
-        return {k: EntrySpec(gshape, shape, dtype, check_kind(k), codecs.get(k, 0))
-                for k, (shape, dtype, gshape) in self._state_specs(p, group).items()}
+        def load(_) -> None:
+            try:  # torch replaced the groups, never changed them: put them back
+                self._load(before[0], loaded)
+            except BaseException:
+                self.state, self.param_groups, self._master_pending = before
+                raise
 
-    def _load(self, state_dict: dict[str, Any], loaded: list) -> None:
-        state = self.state
-        super().load_state_dict({**state_dict, "state": {}})
-        self.state = state  # torch made a new, empty one: the states stay where they are
+        hooks = (self.register_load_state_dict_pre_hook(check),
+                 self.register_load_state_dict_post_hook(load, prepend=True))
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def _load(self, state: dict, loaded: list) -> None:
+        """Put this optimizer's ``state`` back in place of the empty one torch's load made,
+        with the ``loaded`` values (``_check_loadable``) copied in; the saved groups keep
+        the FIXED_OPTIONS as built."""
+        self.state = state
         count = max((g.get(SKIPPED, 0) for g in self.param_groups), default=0)
         for group, fixed in zip(self.param_groups, self._fixed):
             # The saved FIXED_OPTIONS act as the built ones (checked), but may be spelled
@@ -553,11 +311,16 @@ class LowBitAdamW(torch.optim.Optimizer):
         for p, values, step in loaded:
             own = state[p]
             for key, value in values.items():
-                dst, src = _local(own[key]), _local(value)
+                dst, src = local(own[key]), local(value)
                 if dst.data_ptr() != src.data_ptr() or dst.device != src.device:  # DCP loads in place
                     dst.copy_(src)
             own["step"] = torch.tensor(step)
             self._master_pending.discard(p)  # a loaded master is kept
+        restore_second_moments((self._name(p), param_format(p, g)[0], {k: local(v) for k, v in self.state[p].items()
+                                if isinstance(v, torch.Tensor)}) for g in self.param_groups for p in g["params"])
+        self._deferred.clear()  # the loaded state replaces what any unread step did
+        self._plans.clear()
+        self._step_plan = None
 
     # ------------------------------------------------------------------------------------
     # the step
@@ -572,15 +335,15 @@ class LowBitAdamW(torch.optim.Optimizer):
             # Tensor parallel can leave a gradient Replicate/Partial where its parameter is
             # Shard (e.g. a row-wise parallel embedding); the update needs the param's shard.
             g = g.redistribute(p.device_mesh, p.placements)
-        lg = _local(g)
+        lg = local(g)
         if lg.dtype not in SUPPORTED_PARAM_DTYPES:
             raise TypeError(f"param '{name}' has a {lg.dtype} gradient; use float32 or bfloat16 gradients")
-        if lg.shape != _local(p).shape:
+        if lg.shape != local(p).shape:
             raise ValueError(f"param '{name}': gradient shape {tuple(lg.shape)} != parameter shape "
-                             f"{tuple(_local(p).shape)}")
+                             f"{tuple(local(p).shape)}")
         return lg if lg.is_contiguous() else lg.contiguous()
 
-    def _nonfinite_param(self, plan: "_StepPlan",
+    def _nonfinite_param(self, plan: StepPlan,
                          flags: list[tuple[list[int], torch.Tensor]]) -> tuple[Optional[str], str]:
         """(name of a parameter of ``plan`` whose step would write an inf/nan, '' if only
         another rank has one, None if none has; what was found) (the host sync of the check)."""
@@ -628,19 +391,21 @@ class LowBitAdamW(torch.optim.Optimizer):
         for fam in plan.families:
             group = self.param_groups[fam.group]
             lr, wd = group["lr"], group["weight_decay"]
+            if isinstance(lr, torch.Tensor) and lr.device != fam.device:
+                lr = lr.item()  # the fused kernel reads an lr tensor on its own device only
             if group["maximize"]:  # Adam on the negated gradient, exactly (see torch_flags)
                 lr, wd = -lr, -wd
             hyper = AdamWHyper(lr=lr, beta1=group["betas"][0], beta2=group["betas"][1],
                                eps=group["eps"], weight_decay=wd, step=fam.step + 1)
             fam_grads = fam.pick(grads)
             guard = self._deferred.guard(fam.device, nflags) if guarded else None
-            if self._use_fused(_local(fam.params[0])):
-                work.append((fam, hyper, guard, self._fused_launches(fam, fam_grads, plan.kind), None))
+            if self._use_fused(local(fam.params[0])):
+                work.append((fam, hyper, guard, fused_launches(self, fam, fam_grads, plan.kind), None))
             else:
                 for p in fam.params:
                     self._check_state_fits(p, group)
                 work.append((fam, hyper, guard, None,
-                             ([self._kernel_tensor(p, fam.cfg) for p in fam.params], fam_grads)))
+                             ([kernel_tensor(self, p, fam.cfg) for p in fam.params], fam_grads)))
 
         if check is not None:
             bad, found = self._nonfinite_param(plan, check)
@@ -662,9 +427,9 @@ class LowBitAdamW(torch.optim.Optimizer):
         # The step counts last: the kernels take theirs from the families (fam.step), and
         # this host-side op then runs while the GPU steps.
         if plan.all_params:
-            self._steps_buf.add_(1.0)
+            plan.steps.add_(1.0)
         else:
-            self._steps_buf.index_add_(0, plan.step_index, torch.ones(len(plan.params)))
+            plan.steps.index_add_(0, plan.step_index, torch.ones(len(plan.params)))
         return loss
 
     def check_nonfinite(self) -> None:
@@ -689,9 +454,20 @@ class LowBitAdamW(torch.optim.Optimizer):
         flagged = [(p, i) for p, i in self._order.items() if i in report.indices]
         where = (f"param '{self._name(flagged[0][0])}'" + (f" (and {len(flagged) - 1} more)" if len(flagged) > 1 else "")
                  if flagged else "a parameter on another rank")
-        found = (describe(flagged[0][1] in report.overflow, {k: _local(v) for k, v in self.state[flagged[0][0]].items()
-                                                              if isinstance(v, torch.Tensor)}, _local(flagged[0][0]))
-                 if flagged else "a non-finite gradient or update")
+        found = "a non-finite gradient or update"
+        if flagged:
+            p, index = flagged[0]
+            group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+            where_group = "the flagged parameter's group"
+            hyper = AdamWHyper(lr=hyper_value(where_group, "lr", group["lr"]),
+                               beta1=hyper_value(where_group, "betas", group["betas"][0]),
+                               beta2=hyper_value(where_group, "betas", group["betas"][1]),
+                               eps=hyper_value(where_group, "eps", group["eps"]),
+                               weight_decay=hyper_value(where_group, "weight_decay", group["weight_decay"]),
+                               step=report.step)
+            found = describe(index in report.overflow,
+                             {k: local(v) for k, v in self.state[p].items() if isinstance(v, torch.Tensor)},
+                             local(p), hyper, bool(group["decoupled_weight_decay"]))
         raise FloatingPointError(
             f"{found} in {where} at optimizer step {report.step}: the blocks of its weight and optimizer "
             "state where that step would have written an inf/nan were left as they were, the rest of "
@@ -718,7 +494,7 @@ class LowBitAdamW(torch.optim.Optimizer):
             return None
         return self._nonfinite_param(plan, precheck_launch(plan.local_grads(self, raw_grads)))[0]
 
-    def _checked_plan(self) -> tuple[Optional["_StepPlan"], list]:
+    def _checked_plan(self) -> tuple[Optional[StepPlan], list]:
         """The step plan of the parameters that have gradients (None if none has), after
         every group's options were checked, and those parameters' ``.grad`` as read now
         (each read once per step: the common case, every parameter with a gradient and the
@@ -734,7 +510,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         if not with_grad:
             return None, []
         if plan is None or not plan.same_params(with_grad):
-            plan = self._step_plan = self._build_step_plan(with_grad)
+            plan = self._step_plan = build_step_plan(self, with_grad)
         return plan, [g for g in grads if g is not None]
 
     def count_skipped_step(self, where: str) -> None:
@@ -749,7 +525,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         have changed one since it was added (a beta of 1 would divide by zero halfway
         through the step, after other groups were updated)."""
         for gi, group in enumerate(self.param_groups):
-            self._check_group(group, f"param group {gi}")
+            check_group(group, f"param group {gi}")
             fixed = tuple(group[k] for k in FIXED_OPTIONS)
             if fixed != self._fixed[gi]:
                 k, was, now = next((k, a, b) for k, a, b in zip(FIXED_OPTIONS, self._fixed[gi], fixed) if a != b)
@@ -764,229 +540,25 @@ class LowBitAdamW(torch.optim.Optimizer):
         from a state dict is kept (load_state_dict takes it off the pending set)."""
         for p in params:
             if p in self._master_pending:
-                _local(self.state[p]["master"]).copy_(_local(p))
+                local(self.state[p]["master"]).copy_(local(p))
                 self._master_pending.discard(p)
-
-    def _build_step_plan(self, with_grad: list[torch.Tensor]) -> "_StepPlan":
-        """Validate the gradients fully and group the parameters into launch families.
-        Rebuilt only when the set of parameters with gradients changes (or on load)."""
-        grads = [self._check_grad(p) for p in with_grad]
-        group_of = {p: gi for gi, group in enumerate(self.param_groups) for p in group["params"]}
-        for p in with_grad:
-            self._check_state_fits(p, self.param_groups[group_of[p]])
-        all_params = [p for group in self.param_groups for p in group["params"]]
-        position = {p: i for i, p in enumerate(all_params)}
-        steps = [float(self.state[p]["step"]) for p in all_params]
-        self._steps_buf = torch.tensor(steps, dtype=torch.float32)
-        for i, p in enumerate(all_params):
-            self.state[p]["step"] = self._steps_buf[i]
-        families: dict[tuple, _Family] = {}
-        for i, (p, g) in enumerate(zip(with_grad, grads)):
-            if not g.numel():
-                continue  # an empty parameter or local shard (FSDP2): nothing to update; its step still counts
-            gi = group_of[p]
-            key = (gi, self._kernel_config(p, g, gi), _local(p).device, int(steps[position[p]]))
-            fam = families.setdefault(key, _Family(gi, key[1], key[3], [], [], device=key[2]))
-            fam.index.append(i)
-            fam.params.append(p)
-        for fam in families.values():
-            fam.pick = _picker(fam.index)
-        return _StepPlan(
-            params=list(with_grad),
-            expect=[(g.dtype, g.shape) for g in grads],
-            families=list(families.values()),
-            all_params=len(with_grad) == len(all_params),
-            step_index=torch.tensor([position[p] for p in with_grad], dtype=torch.int64),
-        )
 
     @staticmethod
     def _use_fused(t: torch.Tensor) -> bool:
         """The fused Triton kernel runs on CUDA tensors; the PyTorch reference elsewhere."""
         return t.is_cuda
 
-    def _kernel_config(self, p: torch.Tensor, grad: torch.Tensor, gi: int) -> AdamWConfig:
-        group = self.param_groups[gi]
-        fmt, block = self._format(p, group)
-        update = WEIGHT_UPDATES[group["weight_update"]] if p.dtype == torch.bfloat16 else UPDATE_NEAREST
-        return AdamWConfig(m_codec=fmt.m_codec, v_codec=fmt.v_codec, state_bf16=fmt.plain_dtype == torch.bfloat16,
-                           block=block, weight_update=update, decoupled=bool(group["decoupled_weight_decay"]),
-                           param_dtype=p.dtype, grad_dtype=grad.dtype)
-
-    def _fused_launches(self, fam: "_Family", grads: list[torch.Tensor], kind: str) -> list[FusedAdamW]:
-        """The cached plans of a family, pointed at this step's gradients, ready to launch
-        (built on first use, and again whenever the set of parameters with gradients or
-        the gradients' alignment changes). ``kind``: how the step plan's parameters reach
-        their local tensors (``_StepPlan.kind``)."""
-        if fam.launches is None:
-            fam.launches, fam.launches_param_ptrs = self._plans.get(
-                (fam.group, fam.cfg, tuple(map(id, fam.params))), (None, None))
-        if fam.launches is not None and _local_ptrs(fam.params, kind) != fam.launches_param_ptrs:
-            fam.launches = None  # a parameter's storage was replaced (p.data = ...): rebuild
-        if fam.launches is not None:
-            if all(pl.point_at(pick(grads)) for pl, pick in fam.launches):
-                return [pl for pl, _ in fam.launches]
-        cfg = fam.cfg
-        for p in fam.params:  # a parameter's storage may have been replaced by one of another shape
-            self._check_state_fits(p, self.param_groups[fam.group])
-        tensors = [self._kernel_tensor(p, cfg) for p in fam.params]
-        variants: dict[tuple[bool, bool], list[int]] = {}
-        elems = self.launch_options.get("elems_per_program")
-        for i, t in enumerate(tensors):
-            variants.setdefault(FusedAdamW.variant(cfg, t, grads[i], elems), []).append(i)
-        chunks = [sel[c:c + MAX_TENSORS_PER_LAUNCH]
-                  for sel in variants.values() for c in range(0, len(sel), MAX_TENSORS_PER_LAUNCH)]
-        fam.launches = [(FusedAdamW(cfg, [tensors[i] for i in sel], **self.launch_options), _picker(sel))
-                        for sel in chunks]
-        fam.launches_param_ptrs = _local_ptrs(fam.params, kind)
-        self._plans[(fam.group, cfg, tuple(map(id, fam.params)))] = (fam.launches, fam.launches_param_ptrs)
-        for pl, pick in fam.launches:
-            if not pl.point_at(pick(grads)):
-                raise RuntimeError("LowBitAdamW: a launch plan built for these gradients does not fit them")
-        return [pl for pl, _ in fam.launches]
-
     def _check_state_fits(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         """Refuse a parameter whose local shape, dtype or device no longer fits its state
         (``p.data`` replaced, a shard resized): its state would be read under another
         layout. Called before any parameter of the step is updated."""
-        state, local = self.state[p], _local(p)
-        specs = self._state_specs(p, group)
-        have = {k: (tuple(_local(v).shape), _local(v).dtype, _local(v).device) for k, v in state.items() if k != "step"}
-        want = {k: (shape, dtype, local.device) for k, (shape, dtype, _) in specs.items()}
+        state, loc = self.state[p], local(p)
+        specs = state_specs(p, group)
+        have = {k: (tuple(local(v).shape), local(v).dtype, local(v).device) for k, v in state.items() if k != "step"}
+        want = {k: (shape, dtype, loc.device) for k, (shape, dtype, _) in specs.items()}
         if have != want:
             raise ValueError(
-                f"param '{self._name(p)}' is now {p.dtype} of (local) shape {tuple(local.shape)} on {local.device}, "
+                f"param '{self._name(p)}' is now {p.dtype} of (local) shape {tuple(loc.shape)} on {loc.device}, "
                 f"which its optimizer state does not fit (it holds {have}, this parameter needs {want}): the "
                 "parameter's shape, dtype or device changed after its state was made. No parameter was "
                 "stepped. Build a new optimizer for the changed model (or load a state dict saved for it)")
-
-    def _kernel_tensor(self, p: torch.Tensor, cfg: AdamWConfig) -> AdamWTensor:
-        """The kernel's view of one parameter: local buffers and the [rows, cols] layout."""
-        state = self.state[p]
-        local = _local(p)
-        cols_sharded = isinstance(p, DTensor) and any(
-            isinstance(pl, Shard) and pl.dim in (-1, p.dim() - 1) for pl in p.placements)
-        if cfg.m_codec or cols_sharded:
-            cols = local.shape[-1] if local.dim() else 1
-            rows = local.numel() // max(cols, 1)
-        else:  # plain formats: one flat row
-            rows, cols = 1, local.numel()
-        sr_base, sr_row_stride = self._global_index(p, rows, cols)
-        if cfg.m_codec:
-            m, v = _local(state["exp_avg_codes"]), _local(state["exp_avg_sq_codes"])
-            if m.dtype != torch.uint8:
-                m, v = m.view(torch.uint8), v.view(torch.uint8)
-            ms, vs = _local(state["exp_avg_absmax"]), _local(state["exp_avg_sq_absmax"])
-        else:
-            m, v, ms, vs = _local(state["exp_avg"]), _local(state["exp_avg_sq"]), None, None
-        extra = state.get("master", state.get("kahan_comp", state.get("master_remainder")))
-        return AdamWTensor(param=local, exp_avg=m, exp_avg_sq=v, exp_avg_scale=ms, exp_avg_sq_scale=vs,
-                           extra=None if extra is None else _local(extra), rows=rows, cols=cols,
-                           sr_base=sr_base, sr_row_stride=sr_row_stride,
-                           sr_key=tensor_key(self.seed, self._order[p]), flag_index=self._order[p])
-
-    @staticmethod
-    def _global_index(p: torch.Tensor, rows: int, cols: int) -> tuple[int, int]:
-        """(base, row stride) of the global element index used by stochastic rounding.
-
-        For plain tensors, Replicate, Shard(0) and Shard(last dim) placements (and their
-        combinations) the index is the element's position in the *global* parameter, so
-        stochastic rounding is the same function of the global tensor however it is
-        sharded. Other layouts (a middle dimension sharded, FSDP2+TP strided sharding of
-        dim 0) use the shard's global offset plus the local index: reproducible for a fixed
-        layout, but a different random stream after resharding.
-        """
-        if not isinstance(p, DTensor):
-            return 0, cols
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        gshape = tuple(p.shape)
-        lshape, offset = compute_local_shape_and_global_offset(gshape, p.device_mesh, p.placements)
-        gstride = _contiguous_stride(gshape)
-        simple = (all(type(pl).__name__ in ("Shard", "Replicate") for pl in p.placements)
-                  and tuple(lshape[1:-1]) == gshape[1:-1])
-        if not simple or len(gshape) == 0:
-            return sum(o * s for o, s in zip(offset, gstride)), cols
-        return sum(o * s for o, s in zip(offset, gstride)), gshape[-1]
-
-
-@dataclasses.dataclass
-class _Family:
-    """Parameters stepped by one kernel configuration (one or a few launches)."""
-
-    group: int
-    cfg: AdamWConfig
-    step: int  # the family's step count before this step (bias correction, SR key)
-    index: list[int]  # positions in the step plan's parameter list
-    params: list[torch.Tensor]
-    launches: Optional[list] = None  # [(FusedAdamW, _picker of its positions in params)], built on first use
-    launches_param_ptrs: Optional[list[int]] = None  # parameter storage the launches point at
-    pick: Any = None  # _picker(index), set once index is complete
-    device: Optional[torch.device] = None  # where the family's local tensors live
-
-
-@dataclasses.dataclass
-class _StepPlan:
-    """What a step does for one set of parameters with gradients, computed once.
-
-    Per step only the cheap guards in ``local_grads`` run; anything unexpected (a gradient of
-    another dtype, shape or layout) goes through the full validation with its errors.
-    """
-
-    params: list[torch.Tensor]
-    expect: list[tuple[torch.dtype, torch.Size]]
-    families: list[_Family]
-    all_params: bool
-    step_index: torch.Tensor
-
-    def __post_init__(self) -> None:
-        # For the fast paths of local_grads and the launches' pointer checks: how the
-        # parameters reach their local tensors, and what their gradients must look like,
-        # as lists compared in one go.
-        self.kind = _param_kind(self.params)
-        self.dtypes = [dtype for dtype, _ in self.expect]
-        self.shapes = [shape for _, shape in self.expect]
-        self.layouts = [torch.strided] * len(self.params)
-        self.distributed = _is_distributed(self.params)
-
-    def same_params(self, with_grad: list[torch.Tensor]) -> bool:
-        return len(with_grad) == len(self.params) and all(map(operator.is_, with_grad, self.params))
-
-    def local_grads(self, opt: "LowBitAdamW", grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The local gradients the kernels read, from ``grads`` (the ``.grad`` of
-        ``self.params``, as ``_checked_plan`` read them): checked cheaply against what the
-        plan was built for, fully (with the errors) where anything differs."""
-        # The common cases in one pass per property, each a C-level map (the loop below,
-        # which runs if anything does not match, took about 30% more of a step's host time
-        # for plain tensors, about twice as much for DTensors): plain gradients, or DTensor
-        # gradients placed like their DTensor parameters, whose local shards are then
-        # checked as plain ones.
-        local = None
-        if self.kind == PLAIN:
-            local = grads
-        elif self.kind == DTENSOR and _all_type(grads, DTensor) and (
-                # FSDP2 builds each gradient on its parameter's spec object: identity first
-                all(map(operator.is_, map(_SPEC, grads), map(_SPEC, self.params)))
-                or list(map(_PLACEMENTS, grads)) == list(map(_PLACEMENTS, self.params))):
-            local = list(map(_LOCAL_TENSOR, grads))
-        if local is not None and (
-                list(map(_DTYPE, local)) == self.dtypes and list(map(_LAYOUT, local)) == self.layouts
-                and list(map(_SHAPE, local)) == self.shapes and all(map(torch.Tensor.is_contiguous, local))):
-            return local
-        out = []
-        strided = torch.strided
-        for p, g, (dtype, shape) in zip(self.params, grads, self.expect):
-            if type(g) is DTensor:
-                if g.placements != p.placements:
-                    out.append(opt._check_grad(p))
-                    continue
-                g = g._local_tensor
-            if g.dtype is not dtype or g.layout is not strided or g.shape != shape or not g.is_contiguous():
-                raise_or_local = opt._check_grad(p)
-                opt._check_state_fits(p, next(gr for gr in opt.param_groups if any(q is p for q in gr["params"])))
-                if raise_or_local.dtype is not dtype:
-                    raise TypeError(f"param '{opt._name(p)}': gradient dtype changed from {dtype} to "
-                                    f"{raise_or_local.dtype} between steps; keep one gradient dtype")
-                out.append(raise_or_local)
-                continue
-            out.append(g)
-        return out

@@ -50,11 +50,12 @@ from titan_lowbit.kernels.adamw_lowbit_ref import (
     quantize_blockwise,
 )
 
-from .formats import param_format
+from .adamw import LowBitAdamW
+from .formats import param_format, state_specs
+from .group_options import SKIPPED
 
 # Group values a conversion carries over from the source (a load restores them too).
 HYPERPARAMETERS = ("lr", "initial_lr", "betas", "eps", "weight_decay")
-SKIPPED = "skipped_steps"  # LowBitAdamW's count of skipped steps (adamw.SKIPPED)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -139,7 +140,7 @@ def _lowbit_state(to, p: torch.Tensor, group: dict[str, Any], values: dict[str, 
         out["exp_avg_sq"] = values["v"].to(fmt.plain_dtype)
     weight = local.float()
     master = values["master"] if values["master"] is not None else weight
-    if "master" in (specs := to._state_specs(p, group)):
+    if "master" in (specs := state_specs(p, group)):
         out["master"] = master.clone()
     elif "master_remainder" in specs:
         pairs = bf16_away(master).view(torch.int16) == local.view(torch.int16)
@@ -180,7 +181,7 @@ def convert_state_dict(state_dict: dict[str, Any], to: torch.optim.Optimizer) ->
                          f"into {have}: build it with the parameters the state dict was saved with, in "
                          "the same order")
     lowbit_target = _is_lowbit(groups[0]) if groups else False
-    if lowbit_target and not hasattr(to, "_state_specs"):
+    if lowbit_target and not isinstance(to, LowBitAdamW):
         raise TypeError(f"convert_state_dict converts into a LowBitAdamW or torch's Adam/AdamW, not a "
                         f"{type(to).__name__}")
     for where, gs in (("state dict", saved), ("optimizer to convert into", groups)):

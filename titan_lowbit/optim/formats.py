@@ -23,7 +23,7 @@ weight, and torch.distributed.checkpoint reshards them like any other tensor.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -35,6 +35,8 @@ from titan_lowbit.kernels.quant_maps import (
     CODEC_LIN4_NOZERO,
     CODEC_NONE,
 )
+
+from .tensors import local
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,3 +109,21 @@ def param_format(p: torch.Tensor, group: dict) -> tuple[StateFormat, int]:
     if fmt.quantized and (p.numel() < group["min_quantized_numel"] or p.dim() == 0):
         fmt = SMALL_TENSOR_FORMAT
     return fmt, block_of(fmt.name, group["block_size"])
+
+
+def state_specs(p: torch.Tensor, group: dict[str, Any]) -> dict[str, tuple]:
+    """State tensor name -> (local shape, dtype, global shape) of one parameter of
+    ``group``: its format's tensors, and the extra state of its weight update."""
+    fmt, block = param_format(p, group)
+    loc = local(p)
+    shapes = fmt.state_shapes(tuple(loc.shape), block)
+    gshapes = fmt.state_shapes(tuple(p.shape), block)
+    specs = {k: (shape, dtype, gshapes[k][0]) for k, (shape, dtype) in shapes.items()}
+    if p.dtype == torch.bfloat16 and group["weight_update"] == "master":
+        specs["master"] = (tuple(loc.shape), torch.float32, tuple(p.shape))
+    elif p.dtype == torch.bfloat16 and group["weight_update"] == "kahan":
+        specs["kahan_comp"] = (tuple(loc.shape), torch.bfloat16, tuple(p.shape))
+    elif p.dtype == torch.bfloat16 and group["weight_update"] == "master_remainder":
+        specs["master_remainder"] = (tuple(loc.shape), torch.int16, tuple(p.shape))
+    return specs
+

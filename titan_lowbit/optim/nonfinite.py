@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from typing import Optional
 
 import torch
 
-from titan_lowbit.kernels.adamw_interface import NonfiniteGuard
+from titan_lowbit.kernels.adamw_interface import AdamWHyper, NonfiniteGuard
 
 # Steps whose flags may still be on their way to the host: the check waits for the older
 # ones, so the error comes at most this many steps after the one that saw the inf/nan.
@@ -189,16 +190,51 @@ def precheck_result(flags: list[tuple[list[int], torch.Tensor]]) -> Optional[tup
     return None
 
 
-def describe(overflow: bool, state: dict[str, torch.Tensor], weight: torch.Tensor) -> str:
+# fp32's largest finite number: an update past it is inf
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def hyperparameter_overflow(hyper: AdamWHyper, decoupled: bool, weight_absmax: float) -> Optional[str]:
+    """What in ``hyper`` (Python floats; ``step``: the step that overflowed) makes the update
+    of a weight whose largest magnitude is ``weight_absmax`` overflow fp32, in the order the
+    kernel computes it, or None if the hyperparameters cannot. An Adam step moves a weight
+    by at most about ``lr * max(1, (1 - beta1) / sqrt(1 - beta2))`` (the first step by
+    ``lr`` exactly), whatever the gradient's size."""
+    lr, wd = abs(hyper.lr), abs(hyper.weight_decay)  # maximize negates both
+    step_size = lr / (1.0 - hyper.beta1**hyper.step)
+    if step_size > FLOAT32_MAX:
+        return (f"lr={lr:g} makes the step size lr / (1 - beta1**{hyper.step}) = {step_size:.3g}, more than "
+                f"fp32's largest number ({FLOAT32_MAX:.3g}): lower lr")
+    if decoupled and (lr * wd > FLOAT32_MAX or abs(1.0 - lr * wd) * weight_absmax > FLOAT32_MAX):
+        return (f"lr * weight_decay = {lr * wd:.3g} scales weights of up to {weight_absmax:.3g} by "
+                f"1 - lr * weight_decay, past fp32's largest number ({FLOAT32_MAX:.3g}): lower lr or weight_decay")
+    if not decoupled and wd * weight_absmax >= SQUARE_OVERFLOW:
+        return (f"weight_decay={wd:g} adds up to weight_decay * |w| = {wd * weight_absmax:.3g} to the gradient "
+                "(decoupled_weight_decay=False), whose square overflows fp32: lower weight_decay")
+    bound = max(1.0, (1.0 - hyper.beta1) / math.sqrt(1.0 - hyper.beta2))
+    decayed = abs(1.0 - lr * wd) * weight_absmax if decoupled else weight_absmax
+    if lr * bound + decayed > FLOAT32_MAX:
+        return (f"lr={lr:g}: an Adam step moves a weight by up to about {bound:.2g} x lr, which with weights of "
+                f"up to {weight_absmax:.3g} passes fp32's largest number ({FLOAT32_MAX:.3g}): lower lr")
+    return None
+
+
+def describe(overflow: bool, state: dict[str, torch.Tensor], weight: torch.Tensor, hyper: AdamWHyper,
+             decoupled: bool) -> str:
     """What an in-kernel flag found, for the error: a non-finite entry of a parameter's
     ``state`` or ``weight`` (local tensors; the flagged blocks were left as they were, so
     it is still there), else the kernel's kind (``overflow``: the first moment was finite,
-    the second moment or the weight not)."""
+    the second moment or the weight not), blaming the hyperparameters (``hyper``, the
+    parameter's group's as Python floats, at the flagged step) where they overflow the
+    update whatever the gradient."""
     for key, val in state.items():
         if key != "step" and val.is_floating_point() and not bool(val.float().isfinite().all()):
             return f"a non-finite optimizer state '{key}' (inf/nan)"
     if not bool(weight.float().isfinite().all()):
         return "a non-finite weight (inf/nan)"
     if overflow:
+        cause = hyperparameter_overflow(hyper, decoupled, float(weight.detach().abs().max()) if weight.numel() else 0.0)
+        if cause is not None:
+            return f"an update that overflows: {cause}"
         return f"an update that overflows: {_FOUND[FOUND_SQUARE]} (or eps=0 with a zero gradient and moment)"
     return _FOUND[FOUND_GRAD]

@@ -1,4 +1,5 @@
-"""What ``LowBitAdamW.load_state_dict`` checks in a state dict before it changes anything.
+"""What ``LowBitAdamW.load_state_dict`` checks in a state dict before it changes anything
+(``check_loadable``: the groups' options, then every parameter's state).
 
 A loaded state goes straight into the fused step, which trusts it: a NaN scale, a missing
 ``step`` (bias correction and the stochastic-rounding stream restart at 0) or a state of
@@ -25,12 +26,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from titan_lowbit.kernels.quant_maps import CODEC_FP8_E4M3
+
+from .formats import param_format, state_specs
+from .group_options import CONVERT_CALL, CONVERTIBLE_OPTIONS, FIXED_OPTIONS, check_group, fixed_value
+from .tensors import is_distributed, local
+from .torch_flags import TORCH_FLAGS, with_torch_defaults
 
 # How the values of an entry are checked (see value_problem).
 SCALE = "scale"  # absmax: finite, >= 0
@@ -125,14 +131,10 @@ def check_structure(name: str, state: Any, specs: dict[str, EntrySpec], sharded:
                 f"{spec.local_shape}; load it through torch.distributed.checkpoint, which reshards it")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 def value_problem(value: torch.Tensor, spec: EntrySpec) -> torch.Tensor:
     """A 0-d bool tensor on ``value``'s device: whether any element is invalid for its
     kind (no host sync)."""
-    x = _local(value)
+    x = local(value)
     if spec.check in (CODES, SQUARE_CODES):
         if spec.codec != CODEC_FP8_E4M3:  # every code of the 8-bit and 4-bit maps decodes to a number
             return torch.zeros((), dtype=torch.bool, device=x.device)
@@ -153,8 +155,8 @@ def find_value_problems(checks: list[tuple[torch.Tensor, EntrySpec]], distribute
     by_device: dict[torch.device, list[int]] = {}
     flags = [False] * len(checks)
     for i, (value, _) in enumerate(checks):
-        if _local(value).numel():
-            by_device.setdefault(_local(value).device, []).append(i)
+        if local(value).numel():
+            by_device.setdefault(local(value).device, []).append(i)
     for idx in by_device.values():
         found = torch.stack([value_problem(*checks[i]) for i in idx]).cpu().tolist()
         for i, bad in zip(idx, found):
@@ -185,3 +187,96 @@ def value_error(name: str, key: str, spec: EntrySpec) -> ValueError:
         f"param '{name}': state entry '{key}' of the state dict holds {PROBLEM[spec.check]} (on this or "
         "another rank); the next step would write non-finite weights. The checkpoint is damaged: load "
         "another one, or start the optimizer state afresh")
+
+
+# ---------------------------------------------------------------------------------------
+# the whole state dict against the optimizer
+# ---------------------------------------------------------------------------------------
+class LoadTarget(Protocol):
+    """What the check of a state dict reads of the optimizer it is loaded into
+    (``LowBitAdamW``): its groups, defaults and states, and the names its errors give."""
+
+    param_groups: list[dict[str, Any]]
+    defaults: dict[str, Any]
+    state: dict[torch.Tensor, dict[str, Any]]
+
+    def _name(self, p: torch.Tensor) -> str: ...
+
+    def _group_desc(self, gi: int) -> str: ...
+
+
+def require_state_dict(state_dict: Any) -> None:
+    if not (isinstance(state_dict, dict) and "state" in state_dict and "param_groups" in state_dict):
+        raise ValueError("LowBitAdamW.load_state_dict needs an optimizer state dict with 'state' and "
+                         "'param_groups' (from LowBitAdamW.state_dict())")
+
+
+
+def check_loadable(opt: LoadTarget, state_dict: dict[str, Any]
+                   ) -> list[tuple[torch.Tensor, dict[str, torch.Tensor], float]]:
+    """Raise, before anything changes, when ``state_dict`` does not fit this optimizer;
+    else (parameter, its loaded state tensors, its step) for every parameter."""
+    require_state_dict(state_dict)
+    saved = state_dict["param_groups"]
+    sizes = [len(g.get("params", ())) for g in saved]
+    if sizes != [len(g["params"]) for g in opt.param_groups]:
+        raise ValueError(f"the state dict has param groups of {sizes} parameters, this optimizer of "
+                         f"{[len(g['params']) for g in opt.param_groups]}: build the optimizer with the "
+                         "param groups the state dict was saved with")
+    for gi, (s, g) in enumerate(zip(saved, opt.param_groups)):
+        missing = [k for k in opt.defaults if k not in s and k not in TORCH_FLAGS]
+        if missing:
+            raise ValueError(f"param group {gi} of the state dict has no {missing}: it was not saved by "
+                             "LowBitAdamW (torch.optim.AdamW's?). Load a LowBitAdamW state dict, start "
+                             "the optimizer state afresh (load the model weights only), or convert a "
+                             f"torch Adam/AdamW state dict explicitly: {CONVERT_CALL}")
+        s = with_torch_defaults(s)
+        for k in FIXED_OPTIONS:
+            if fixed_value(s, k) != fixed_value(g, k):
+                raise ValueError(
+                    f"{opt._group_desc(gi)}: the state dict was saved with {k}={s[k]!r}, this optimizer "
+                    f"was built with {k}={g[k]!r} (torch would silently go on with the saved one). Build "
+                    f"the optimizer with {k}={s[k]!r} to resume it, or start the optimizer state afresh"
+                    + (f", or convert the states into this optimizer's layout: {CONVERT_CALL}"
+                       if k in CONVERTIBLE_OPTIONS else ""))
+        check_group({**g, **s}, f"param group {gi} of the state dict")
+    known = {i for g in saved for i in g["params"]}
+    unknown = [k for k in state_dict["state"] if k not in known]
+    if unknown:
+        raise ValueError(f"the state dict holds state for parameter ids {unknown[:5]} that no param group "
+                         "lists; it is damaged or not an optimizer state dict")
+    loaded, checks, where = [], [], []
+    for s, group in zip(saved, opt.param_groups):
+        for key, p in zip(s["params"], group["params"]):
+            name, state = opt._name(p), state_dict["state"].get(key)
+            if not state:  # LowBitAdamW saves every parameter's state (made at construction)
+                raise ValueError(
+                    f"param '{name}': the state dict holds no optimizer state for it, so it "
+                    "would restart from zero moments (and its master weight from the bf16 value) while "
+                    "the others resume: the state dict is incomplete or not this optimizer's. Load a "
+                    "complete one, or start the optimizer state afresh")
+            specs = entry_specs(p, group)
+            fmt, block = param_format(p, group)
+            sharded = next((v for v in opt.state[p].values() if isinstance(v, DTensor)), None)
+            check_structure(name, state, specs, sharded,
+                            f"state_format={fmt.name!r}, block {block}, weight_update={group['weight_update']!r}")
+            step = check_step(name, state["step"])
+            for k, spec in specs.items():
+                checks.append((state[k], spec))
+                where.append((name, k))
+            loaded.append((p, {k: state[k] for k in specs}, step))
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for (name, k), (_, spec), bad in zip(where, checks, find_value_problems(checks, is_distributed(params))):
+        if bad:
+            raise value_error(name, k, spec)
+    return loaded
+
+
+
+def entry_specs(p: torch.Tensor, group: dict[str, Any]) -> dict[str, EntrySpec]:
+    """What each state tensor of ``p`` must be, for checking a loaded state."""
+    fmt, _ = param_format(p, group)
+    codecs = {"exp_avg_codes": fmt.m_codec, "exp_avg_sq_codes": fmt.v_codec}
+    return {k: EntrySpec(gshape, shape, dtype, check_kind(k), codecs.get(k, 0))
+            for k, (shape, dtype, gshape) in state_specs(p, group).items()}
+

@@ -422,7 +422,7 @@ def _first_line(err: BaseException) -> str:
 def _from_lowbit_load(frames) -> bool:
     optim_dir = os.path.join("titan_lowbit", "optim", "")
     return any(optim_dir in frame.filename and frame.name in (
-        "load_state_dict", "_check_loadable", "_load", "_check_loaded_state", "_check_group")
+        "load_state_dict", "check_loadable", "_load", "check_group")
         for frame in frames)
 
 

@@ -129,7 +129,7 @@ def source_optimizer(run_optimizer, layout_of: dict[torch.Tensor, dict[str, Any]
                   for g in run_optimizer.param_groups]
         return (torch.optim.AdamW if decoupled else torch.optim.Adam)(groups)
     from titan_lowbit.optim import LowBitAdamW
-    from titan_lowbit.optim.adamw import CONVERTIBLE_OPTIONS
+    from titan_lowbit.optim.group_options import CONVERTIBLE_OPTIONS
 
     groups = [{"params": [(names[p], p) for p in run], **{k: g[k] for k in hyper},
                **{k: layout[k] for k in CONVERTIBLE_OPTIONS}}

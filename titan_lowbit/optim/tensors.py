@@ -1,0 +1,54 @@
+"""The plain local tensors behind a parameter or a state: what the kernels update in place.
+
+A parameter may be a plain tensor, a DTensor (FSDP2, TP: its local shard) or a wrapper
+subclass (BitNet's training weight: its one inner tensor); its states are plain tensors or
+DTensors placed like it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The plain local tensor the kernels update in place: a DTensor's local shard (without
+    the overhead of ``to_local()``), and inside it the one inner tensor of a wrapper
+    subclass (e.g. BitNet's training weight, whose own ``data_ptr()`` is 0)."""
+    if type(t) in PLAIN_TYPES:  # the common case, checked for every parameter at every step
+        return t
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        inner, _ = t.__tensor_flatten__()
+        if len(inner) != 1:
+            raise TypeError(f"LowBitAdamW cannot update a {type(t).__name__} holding "
+                            f"{len(inner)} tensors; it needs one plain tensor per parameter")
+        t = getattr(t, inner[0])
+    return t
+
+
+def is_distributed(params: list[torch.Tensor]) -> bool:
+    """Whether a step's non-finite decision must be shared by all ranks: DTensor
+    parameters in a process group of several ranks (every rank must take the same one)."""
+    return (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1 and any(isinstance(p, DTensor) for p in params))
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
+
+
+def like_param(p: torch.Tensor, local_state: torch.Tensor, global_shape: tuple[int, ...]) -> torch.Tensor:
+    """A state tensor placed like parameter ``p``: ``local_state`` itself, or a DTensor with
+    ``p``'s mesh and placements over it."""
+    if not isinstance(p, DTensor):
+        return local_state
+    return DTensor.from_local(local_state, p.device_mesh, p.placements, run_check=False,
+                              shape=torch.Size(global_shape), stride=contiguous_stride(global_shape))
