@@ -43,6 +43,11 @@ else
   echo "train.sh: no GPU; $nproc CPU processes (gloo)" >&2
 fi
 
+# torchtitan colours its step lines with ANSI codes; written to a file or a pipe they are
+# noise, so they are off there (an override after the config can turn them on again).
+colour=()
+[ -t 1 ] || colour=(--metrics.disable_color_printing)
+
 exec "$python" -m torch.distributed.run --standalone --nproc_per_node="$nproc" \
   --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3 \
-  -m torchtitan.train --job.config_file "$config" "$@"
+  -m torchtitan.train --job.config_file "$config" "${colour[@]}" "$@"

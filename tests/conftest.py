@@ -236,8 +236,7 @@ def run_train(*overrides: str, config: Path = DEBUG_CONFIG, nproc: int = 2, time
         def run() -> subprocess.CompletedProcess:
             return forked.launch(target, nproc, env, ROOT, timeout)
     else:
-        cmd = ["bash", str(ROOT / "scripts" / "train.sh"), str(config),
-               "--metrics.disable_color_printing", *overrides]
+        cmd = ["bash", str(ROOT / "scripts" / "train.sh"), str(config), *overrides]
         what = " ".join(cmd)
 
         def run() -> subprocess.CompletedProcess:

@@ -3,6 +3,7 @@ offline data, and bad input stopping before any training."""
 
 import hashlib
 import json
+import os
 import subprocess
 
 import pytest
@@ -259,6 +260,24 @@ def test_tokenizer_comes_from_the_corpus_unless_the_config_names_one(tmp_path):
                 str(tmp_path / "none"))
     with pytest.raises(FileNotFoundError, match=r"\[training\] dataset_path = .*--out"):
         resolve_tokenizer(cfg)
+
+
+def test_train_sh_turns_colours_off_where_its_output_is_not_a_terminal(tmp_path):
+    """torchtitan's ANSI colour codes would fill log files: scripts/train.sh asks for plain
+    lines when its output goes to a file or pipe, before the user's overrides (which may
+    turn them on again). A stand-in interpreter records the command train.sh starts."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\ncase "$*" in *device_count*) echo 0;; *torch.distributed.run*) '
+                    'echo "$@";; esac\n')
+    fake.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(fake))
+    env.pop("TITAN_LOWBIT_DEVICE", None)
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "train.sh"), str(DEBUG_CONFIG),
+                           "--training.steps", "3"], env=env, capture_output=True, text=True,
+                          check=True)
+    args = proc.stdout.split()
+    assert args[-3:] == ["--metrics.disable_color_printing", "--training.steps", "3"], proc.stdout
+    assert args[args.index("--job.config_file") + 1] == str(DEBUG_CONFIG)
 
 
 # ---- bad input stops the real launcher before training ---------------------------------

@@ -73,6 +73,8 @@ def readme_cpu_launch() -> tuple[dict[str, str], list[str]]:
 def test_readme_job_file_is_complete_and_paths_free():
     job = tomllib.loads(readme_job())
     assert job["training"]["dataset"] == "lowbit_text"
+    # A newcomer's first run logs every step and repeats itself.
+    assert job["metrics"]["log_freq"] == 1 and job["debug"]["seed"] == 0
     # Nothing in it depends on the working directory but the outputs.
     assert "dataset_path" not in job["training"] and "hf_assets_path" not in job["model"]
     env, args = readme_cpu_launch()

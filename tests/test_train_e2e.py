@@ -7,6 +7,7 @@ as the uninterrupted run (stochastic rounding's generator, Kahan buffers and mas
 weights included), while the optimizer part of the checkpoint holds quantized tensors.
 """
 
+import json
 import math
 import os
 import re
@@ -20,6 +21,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from conftest import DEBUG_CONFIG, ROOT, run_once_more_after_teardown_abort, run_train, step_losses
 
 from titan_lowbit.torchtitan import cpu_device
+from titan_lowbit.torchtitan.lr_schedule import SCHEDULE_FILE
 
 pytestmark = pytest.mark.trainer  # every test here runs torchtitan's Trainer
 
@@ -78,7 +80,8 @@ def test_loss_falls_and_checkpoint_resumes_identically(optimizer, dtype, update,
     full = step_losses(proc.stdout)
     # the CPU path prints none of the warnings that are wrong there (cpu_device.quiet)
     noise = [line for line in (proc.stdout + proc.stderr).splitlines()
-             if any(f in line for f in (*cpu_device.CPU_PATH_NOISE, "may not have complete support on cpu"))]
+             if any(f in line for f in (*cpu_device.CPU_PATH_NOISE, "may not have complete support on cpu",
+                                        "model.safetensors.index.json not found", "\x1b["))]
     assert not noise, noise
     assert sorted(full) == list(range(1, STEPS + 1)), full
     first, last = float(full[1]), [float(full[s]) for s in range(STEPS - 1, STEPS + 1)]
@@ -108,6 +111,10 @@ def test_loss_falls_and_checkpoint_resumes_identically(optimizer, dtype, update,
     resumed_proc = run_train(*common, "--training.steps", str(STEPS))
     out = resumed_proc.stdout + resumed_proc.stderr
     assert f"Loading the checkpoint from {ckpt_dir / f'step-{HALF}'}" in out, out[-3000:]
+    # the checkpoint keeps the LR schedule's settings; the same ones resume without a word
+    settings = json.loads((ckpt_dir / f"step-{HALF}" / SCHEDULE_FILE).read_text())
+    assert settings["lr_scheduler.total_steps"] == STEPS, settings
+    assert "learning-rate schedule differs" not in out
     resumed = step_losses(resumed_proc.stdout)
     assert sorted(resumed) == list(range(HALF + 1, STEPS + 1)), resumed
     assert resumed == {s: full[s] for s in resumed}, (

@@ -95,6 +95,7 @@ from titan_lowbit.torchtitan.checkpoint_manifest import (
     read_manifest,
     write_manifest,
 )
+from titan_lowbit.torchtitan.lr_schedule import schedule_change, write_schedule
 
 STEP_DIR = re.compile(r"step-(\d+)")  # torchtitan's own pattern (re.search)
 VERIFY_ENV = "TITAN_LOWBIT_VERIFY_CHECKPOINT"
@@ -796,6 +797,8 @@ def register() -> None:
         verify(checkpoint_id, metadata)
         conversion = check_compatible(state_dict, checkpoint_id, metadata, self.states[MODEL].model,
                                       convert=conversion_requested(self))
+        if (schedule_warning := schedule_change(state_dict.get(LR_SCHEDULER), checkpoint_id)):
+            logger.warning(schedule_warning)
         try:
             if conversion is None:
                 result = original_load(self, state_dict, checkpoint_id, from_hf, from_quantized)
@@ -821,6 +824,8 @@ def register() -> None:
             result = original_save(self, state_dict, target, async_mode,
                                    enable_garbage_collection, to_hf)
             if not to_hf and async_mode == AsyncMode.DISABLED:  # written: the manifest comes last
+                if not dist.is_initialized() or dist.get_rank() == 0:
+                    write_schedule(self.states.get(LR_SCHEDULER), target)
                 write_manifest(target)
             return result
 

@@ -18,6 +18,7 @@ the config sets is used as it is.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from functools import partial
 
@@ -95,6 +96,23 @@ def resolve_tokenizer(job_config) -> None:
     model.hf_assets_path = tokenizer
     logger.info(f"titan_lowbit: [model] hf_assets_path is not set; using the tokenizer of "
                 f"{training.dataset}, {tokenizer}")
+    root = logging.getLogger()  # torchtitan's logger
+    if not any(isinstance(f, _NoWeightIndexNote) and f.fragment.endswith(tokenizer) for f in root.filters):
+        root.addFilter(_NoWeightIndexNote(tokenizer))
+
+
+class _NoWeightIndexNote(logging.Filter):
+    """Drops torchtitan's warning that ``hf_assets_path`` has no
+    ``model.safetensors.index.json`` when that path is the corpus' tokenizer, which
+    titan_lowbit chose: the folder holds a tokenizer, never weights, and the warning (about
+    a Hugging Face export's file layout) sent users looking for a missing file."""
+
+    def __init__(self, tokenizer: str):
+        super().__init__()
+        self.fragment = f"model.safetensors.index.json not found at hf_assets_path: {tokenizer}"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.fragment not in record.getMessage()
 
 
 def wrap_build_tokenizer(build_tokenizer_fn):
