@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 
+from titan_lowbit.log_notes import DroppedNotes
 from titan_lowbit.torchtitan import cpu_device
 
 
@@ -106,7 +107,7 @@ def test_cpu_path_drops_only_the_warnings_that_are_wrong_there():
     drop = ["Error running lspci: [Errno 2] No such file or directory: 'lspci', fallback to use device_name",
             "Peak flops undefined for: CPU (x86_64, 2 cores), fallback to A100",
             "ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING] = 1 will be overridden to 3 based on job config"]
-    noise = cpu_device.CpuPathNoise()
+    noise = DroppedNotes(cpu_device.CPU_PATH_NOISE)
 
     def passes(message: str) -> bool:
         return noise.filter(logging.LogRecord("root", logging.WARNING, __file__, 0, message, None, None))

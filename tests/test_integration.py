@@ -240,6 +240,33 @@ def test_missing_split_names_the_key_that_chose_its_folder(tmp_path, monkeypatch
     assert f"`python -m titan_lowbit.prepare_data --out {tmp_path / 'mine'}`" in msg
 
 
+def test_the_default_tokenizer_path_is_not_reported_missing_for_the_corpus(tmp_path):
+    """torchtitan warns at parse time that its default hf_assets_path does not exist; for a
+    job on the offline corpus that is wrong (its own tokenizer is used), for another dataset
+    it is right and stays."""
+    import logging
+
+    def shown(*args) -> list[str]:
+        records = []
+
+        class Keep(logging.Handler):
+            def emit(self, record):
+                records.append(record.getMessage())
+
+        root, handler = logging.getLogger(), Keep()
+        root.addHandler(handler)
+        try:
+            parse_job_config("--job.config_file", str(DEBUG_CONFIG), *args)
+        finally:
+            root.removeHandler(handler)
+        return [m for m in records if "does not exist!" in m]
+
+    assert shown("--training.dataset", "c4_test") == ["HF assets path ./tests/assets/tokenizer does not exist!"]
+    assert shown() == []
+    assert shown("--model.hf_assets_path", str(tmp_path / "mine")) == [
+        f"HF assets path {tmp_path / 'mine'} does not exist!"]
+
+
 def test_tokenizer_comes_from_the_corpus_unless_the_config_names_one(tmp_path):
     from titan_lowbit.torchtitan.datasets import resolve_tokenizer
 

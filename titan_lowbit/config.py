@@ -18,9 +18,11 @@ from titan_lowbit.compat import torchtitan_line
 from titan_lowbit.kernels.private_apis import patch, private_api_ok
 # (the block rule lives with the code books, which kernels and optimizer share)
 from titan_lowbit.kernels.quant_maps import is_block_size
+from titan_lowbit.log_notes import drop_notes, keep_notes
 from titan_lowbit.optim.adamw import NONFINITE_POLICIES as OPTIMIZER_NONFINITE_POLICIES
 from titan_lowbit.optim.adamw import WEIGHT_UPDATES as OPTIMIZER_WEIGHT_UPDATES
 from titan_lowbit.optim.adamw import LowBitAdamW
+from titan_lowbit.prepare_data import DATASET_SPLITS
 
 # The optimizer's own defaults (LowBitAdamW's signature) are the section's.
 _OPTIMIZER_DEFAULTS = {name: p.default for name, p in inspect.signature(LowBitAdamW).parameters.items()}
@@ -280,7 +282,22 @@ def check_custom_import(job_config) -> None:
 # built, the old custom_import value when the whole config is validated, before the
 # Trainer imports custom_import.
 _wrap_config_manager("_dict_to_dataclass", _check_keys)
-_wrap_config_manager("_validate_config", lambda manager: check_custom_import(manager.config))
+def _check_validated(manager) -> None:
+    check_custom_import(manager.config)
+    # torchtitan warns that its default hf_assets_path does not exist; for a job on the
+    # offline corpus the integration uses the corpus' own tokenizer instead (and says so),
+    # or names the command that builds it
+    from torchtitan.config.job_config import Model as TorchtitanModel
+
+    model, training = manager.config.model, manager.config.training
+    note = f"HF assets path {TorchtitanModel().hf_assets_path} does not exist!"
+    if training.dataset in DATASET_SPLITS and model.hf_assets_path == TorchtitanModel().hf_assets_path:
+        drop_notes(note)
+    else:
+        keep_notes(note)
+
+
+_wrap_config_manager("_validate_config", _check_validated)
 
 
 @dataclass

@@ -39,6 +39,8 @@ from pathlib import Path
 TEXT_SUFFIXES = (".py", ".txt", ".rst", ".md")
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 DATA_VARIABLE = "TITAN_LOWBIT_DATA"
+# The corpus' dataset names, as a torchtitan config writes them, and the split each reads.
+DATASET_SPLITS = {"lowbit_text": "train", "lowbit_text_validation": "validation"}
 # What the outputs hold, recorded in the manifest; ``--if-missing`` rebuilds outputs of
 # another format (2: each split shuffled by a hash of its document ids; 1: file order).
 FORMAT = 2

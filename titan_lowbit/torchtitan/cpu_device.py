@@ -23,7 +23,6 @@ a GPU, with the pure-PyTorch reference kernels.
 from __future__ import annotations
 
 import glob
-import logging
 import os
 import platform
 import resource
@@ -33,6 +32,8 @@ import warnings
 from types import SimpleNamespace
 
 import torch
+
+from titan_lowbit.log_notes import drop_notes
 
 _ENV = "TITAN_LOWBIT_DEVICE"
 
@@ -173,19 +174,9 @@ CPU_PATH_WARNINGS = (r"DTensor (random operators|manual_seed\(\)) may not have c
                      r"|Set timeout is now only supported for either nccl or gloo")
 
 
-class CpuPathNoise(logging.Filter):
-    """Drops torchtitan's log records that are wrong on the CPU path (CPU_PATH_NOISE)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not any(fragment in message for fragment in CPU_PATH_NOISE)
-
-
 def quiet() -> None:
     """Silence, on the CPU path only, the warnings that are wrong there."""
-    root = logging.getLogger()  # torchtitan's logger
-    if not any(isinstance(f, CpuPathNoise) for f in root.filters):
-        root.addFilter(CpuPathNoise())
+    drop_notes(*CPU_PATH_NOISE)
     warnings.filterwarnings("ignore", message=CPU_PATH_WARNINGS, category=UserWarning)
 
 

@@ -18,7 +18,6 @@ the config sets is used as it is.
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from functools import partial
 
@@ -27,7 +26,8 @@ from torchtitan.hf_datasets import text_datasets
 from torchtitan.tools.logging import logger
 
 from titan_lowbit.kernels.private_apis import patch_entry
-from titan_lowbit.prepare_data import DATA_VARIABLE, data_dir
+from titan_lowbit.log_notes import drop_notes
+from titan_lowbit.prepare_data import DATA_VARIABLE, DATASET_SPLITS, data_dir
 
 SPLIT_FILES = {"train": "train.jsonl", "validation": "validation.jsonl"}
 # the config key that sets where a split is read from, by torchtitan line
@@ -68,13 +68,9 @@ def _text(sample: dict) -> str:
     return sample["text"]
 
 
-# The corpus' dataset names and the split each reads.
-SPLITS = {"lowbit_text": "train", "lowbit_text_validation": "validation"}
-
-
 def _configs(folder: str) -> dict[str, DatasetConfig]:
     return {name: DatasetConfig(path=folder, loader=partial(_load_split, split=split), sample_processor=_text)
-            for name, split in SPLITS.items()}
+            for name, split in DATASET_SPLITS.items()}
 
 
 DATASET_CONFIGS: dict[str, DatasetConfig] = {}
@@ -96,23 +92,9 @@ def resolve_tokenizer(job_config) -> None:
     model.hf_assets_path = tokenizer
     logger.info(f"titan_lowbit: [model] hf_assets_path is not set; using the tokenizer of "
                 f"{training.dataset}, {tokenizer}")
-    root = logging.getLogger()  # torchtitan's logger
-    if not any(isinstance(f, _NoWeightIndexNote) and f.fragment.endswith(tokenizer) for f in root.filters):
-        root.addFilter(_NoWeightIndexNote(tokenizer))
-
-
-class _NoWeightIndexNote(logging.Filter):
-    """Drops torchtitan's warning that ``hf_assets_path`` has no
-    ``model.safetensors.index.json`` when that path is the corpus' tokenizer, which
-    titan_lowbit chose: the folder holds a tokenizer, never weights, and the warning (about
-    a Hugging Face export's file layout) sent users looking for a missing file."""
-
-    def __init__(self, tokenizer: str):
-        super().__init__()
-        self.fragment = f"model.safetensors.index.json not found at hf_assets_path: {tokenizer}"
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.fragment not in record.getMessage()
+    # torchtitan's warning that this folder has no model.safetensors.index.json (about a
+    # Hugging Face export's file layout) is wrong here: it holds a tokenizer, never weights
+    drop_notes(f"model.safetensors.index.json not found at hf_assets_path: {tokenizer}")
 
 
 def wrap_build_tokenizer(build_tokenizer_fn):
@@ -141,7 +123,7 @@ def check_corpus(hf_assets_path: str, *dataloaders) -> None:
         if getattr(loader, "enable", True) is False:  # a validator that is off reads nothing
             continue
         loader = getattr(loader, "dataloader", loader)  # a validator holds its data loader
-        split = SPLITS.get(getattr(loader, "dataset", None))
+        split = DATASET_SPLITS.get(getattr(loader, "dataset", None))
         if split is None:
             continue
         folder = getattr(loader, "dataset_path", None) or str(data_dir())
