@@ -102,11 +102,13 @@ PRIVATE_USES = (
         "Inductor's own choices (bitnet_persistent_rows has no effect)"),
     PrivateUse(
         "torchtitan", ("titan_lowbit/torchtitan/checkpoint.py",),
-        ("torchtitan.components.checkpoint.CheckpointManager.dcp_load",
+        ("torchtitan.components.checkpoint.CheckpointManager.__init__",
+         "torchtitan.components.checkpoint.CheckpointManager.dcp_load",
          "torchtitan.components.checkpoint.CheckpointManager.dcp_save",
          "torchtitan.components.checkpoint.CheckpointManager._find_load_step"),
         "checkpoint safety: CRC and size verification and layout checks before a load, "
-        "atomic synchronous saves, a warning for incomplete step folders (the methods wrapped)",
+        "atomic synchronous saves, a warning for incomplete step folders, async saves "
+        "refused at start-up (the methods wrapped)",
         "torchtitan's checkpointing unchanged, without those checks"),
     PrivateUse(
         "torchtitan", ("titan_lowbit/config.py",),

@@ -236,23 +236,31 @@ def fp32_moments(optimizer, p) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_lr_schedulers_take_a_checkpoint_of_another_grouping():
-    """A schedule saved for one param group, loaded into a run whose optimizer has two
-    (fp32_states added): one value per group, so the next step does not stop; groups of
-    other learning rates are refused."""
+    """A schedule saved for one param group loads into a run whose optimizer has two
+    (fp32_states added), and one saved for two into an optimizer with one (under pipeline
+    parallelism, a model part without the selected parameters beside one with them): one
+    entry per group, so the load and the next step work; groups of other learning rates
+    are refused. The lambda is a functools.partial, as torchtitan's (torch saves its
+    attributes per group)."""
+    import functools
+
     from torch.optim.lr_scheduler import LambdaLR
 
-    from titan_lowbit.torchtitan.checkpoint_convert import fit_lr_schedulers
+    from titan_lowbit.torchtitan.checkpoint_convert import FittedLRSchedulers
 
     model = Tiny()
-    saved = LambdaLR(list(build(model))[0], lambda step: 0.5)
-    [two_groups] = list(build(model, fp32_states=SELECTION))
-    run = LambdaLR(two_groups, lambda step: 0.5)
-    run.load_state_dict(saved.state_dict())
-    container = type("Schedulers", (), {"schedulers": [run]})()
-    fit_lr_schedulers(container)
-    run.step()
-    assert [g["lr"] for g in two_groups.param_groups] == [0.5 * 1e-2] * 2
-    run.base_lrs = [1e-2, 1e-3, 1e-4]
+    halving = functools.partial(pow, 0.5)  # 0.5 ** step
+    for saved_groups, run_groups in ((1, 2), (2, 1)):
+        optimizers = {1: list(build(model))[0], 2: list(build(model, fp32_states=SELECTION))[0]}
+        saved = LambdaLR(optimizers[saved_groups], halving)
+        saved.step()
+        run = LambdaLR(optimizers[run_groups], halving)
+        schedulers = FittedLRSchedulers(type("Schedulers", (), {"schedulers": [run]})())
+        schedulers.load_state_dict(saved.state_dict())
+        run.step()
+        assert [g["lr"] for g in optimizers[run_groups].param_groups] == [0.25 * 1e-2] * run_groups
+    state = saved.state_dict()
+    state["base_lrs"] = [1e-2, 1e-3, 1e-4]
     with pytest.raises(ValueError, match=r"LR scheduler holds base_lrs \[0.01, 0.001, 0.0001\] for 3 param "
-                                         r"groups, this run's optimizer has 2"):
-        fit_lr_schedulers(container)
+                                         r"groups, this run's optimizer has 1"):
+        schedulers.load_state_dict(state)

@@ -140,14 +140,75 @@ def test_a_train_spec_with_its_own_optimizer_builder_is_refused():
     assert "[optimizer] name = 'AdamW8bit'" in msg and "my_builder" in msg and "Adam/AdamW" in msg
 
 
-@pytest.mark.parametrize("name", ["AdamW8bit", "AdamW"])
-def test_stochastic_rounding_with_early_step_in_backward_is_refused(name):
-    """One optimizer per parameter: every parameter would be at position 0 of its own and
-    draw the same rounding noise."""
-    with pytest.raises(ValueError, match=r"weight_update = 'stochastic' .* early_step_in_backward"):
-        build(name, early=True, dtype=torch.bfloat16, weight_update="stochastic")
-    build(name, early=True, dtype=torch.bfloat16, weight_update="kahan")
-    build(name, early=False, dtype=torch.bfloat16, weight_update="stochastic")
+def test_optimizers_of_part_of_the_model_round_with_their_own_keys():
+    """Stochastic rounding keys a parameter's noise by the optimizer's seed and the
+    parameter's position in it: optimizers that hold part of the model (one per parameter
+    with early_step_in_backward, one per model part under pipeline parallelism) each get
+    a seed of their parameters' names, so no two parameters share their noise."""
+    from torchtitan.components.optimizer import build_optimizers
+    from torchtitan.config import Optimizer as OptimizerConfig
+
+    from titan_lowbit.config import LowBit
+    from titan_lowbit.torchtitan.optimizer_builder import build_lowbit_optimizers, rounding_seed
+
+    def parts():
+        torch.manual_seed(0)
+        return [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).to(torch.bfloat16)
+                for _ in range(2)]
+
+    def seeds(model_parts, early=False, pp=False):
+        dims = SimpleNamespace(pp_enabled=pp, ep_enabled=False, pp=2 if pp else 1)
+        container = build_lowbit_optimizers(
+            model_parts, OptimizerConfig(name="AdamW8bit", early_step_in_backward=early), dims, None,
+            lowbit=LowBit(weight_update="stochastic"), seed=7, base_builder=build_optimizers)
+        return [opt.seed for opt in container]
+
+    one = parts()[:1]
+    assert seeds(one) == [7]  # one optimizer over the whole model: the seed as given
+    early = seeds(one, early=True)
+    assert early == [rounding_seed(7, [n]) for n in ("0.weight", "0.bias", "1.weight", "1.bias")]
+    two = parts()
+    # the two parts' parameters have the same names here; torchtitan's stages keep the
+    # whole model's (distinct) names, as the second part's renamed modules do below
+    two[1] = torch.nn.Sequential(*([torch.nn.Identity()] * 2), *two[1])
+    pipelined = seeds(two, pp=True)
+    assert pipelined == [rounding_seed(7, ["0.weight", "0.bias", "1.weight", "1.bias"]),
+                         rounding_seed(7, ["2.weight", "2.bias", "3.weight", "3.bias"])]
+    assert len(set(early + pipelined + [7])) == len(early + pipelined) + 1
+
+
+def test_early_step_in_backward_with_pipeline_or_expert_parallelism_is_refused():
+    """torchtitan refuses these for its own optimizers; the same for titan_lowbit's."""
+    from torchtitan.components.optimizer import build_optimizers
+    from torchtitan.config import Optimizer as OptimizerConfig
+
+    from titan_lowbit.config import LowBit
+    from titan_lowbit.torchtitan.optimizer_builder import build_lowbit_optimizers
+
+    for degree, key in (("pp", "pipeline_parallel_degree"), ("ep", "expert_parallel_degree")):
+        dims = SimpleNamespace(pp_enabled=degree == "pp", ep_enabled=degree == "ep", pp=2, ep=2)
+        with pytest.raises(NotImplementedError) as err:
+            build_lowbit_optimizers([torch.nn.Linear(64, 64)], OptimizerConfig(name="AdamW8bit", early_step_in_backward=True),
+                                    dims, None, lowbit=LowBit(), seed=0, base_builder=build_optimizers)
+        assert f"early_step_in_backward = true is not supported with [parallelism] {key} = 2" in str(err.value)
+
+
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_async_checkpointing_is_refused(tmp_path, mode):
+    """An async save would return before the manifest and the atomic move can be done."""
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    path = tmp_path / "async.toml"
+    path.write_text(HEADER + f'[checkpoint]\nenable = true\nasync_mode = "{mode}"\n')
+    cfg = ConfigManager().parse_args(["--job.config_file", str(path)])
+    with pytest.raises(ValueError) as err:
+        CheckpointManager(dataloader=None, model_parts=[], optimizers=None, lr_schedulers=None,
+                          states={}, checkpoint_config=cfg.checkpoint, sd_adapter=None)
+    msg = str(err.value)
+    assert f'[checkpoint] async_mode = "{mode}"' in msg and 'async_mode = "disabled"' in msg
+    cfg.checkpoint.enable = False  # no checkpoints, nothing to refuse
+    CheckpointManager(dataloader=None, model_parts=[], optimizers=None, lr_schedulers=None,
+                      states={}, checkpoint_config=cfg.checkpoint, sd_adapter=None)
 
 
 def test_subln_with_hugging_face_export_is_refused(tmp_path):

@@ -62,9 +62,9 @@ class LowBit:
     master_remainder (the same fp32 master weights, bit for bit, kept as the bf16 weight
     plus a 16-bit remainder in the optimizer state: 2 bytes per parameter instead of 4).
     fp32 parameters are updated exactly: a value other than nearest with every parameter
-    in fp32 is refused at start-up (set weight_dtype = "bfloat16"); stochastic is refused
-    with [optimizer] early_step_in_backward (one optimizer per parameter: every parameter
-    would draw the same rounding noise)."""
+    in fp32 is refused at start-up (set weight_dtype = "bfloat16"). Where each optimizer
+    holds part of the model ([optimizer] early_step_in_backward, pipeline parallelism),
+    stochastic rounding keys each one by its parameters' names."""
 
     block_size: int = _OPTIMIZER_DEFAULTS["block_size"]
     """Quantization block length along the last dimension; 0 = the format's default

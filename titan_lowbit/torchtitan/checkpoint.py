@@ -51,13 +51,14 @@ beside the step folders and moved into place as ``step-N`` only once complete; t
 so it becomes part of ``step-N`` with the rest. A save that fails (a full disk, most often: torch.save
 then says only "unexpected pos") removes its ``.saving-N`` and raises
 :class:`CheckpointNotSaved` naming the free space, the space a checkpoint takes and the
-untouched earlier checkpoints. (Async saves, ``[checkpoint] async_mode``, keep
-torchtitan's behaviour.)
+untouched earlier checkpoints. Async saves (``[checkpoint] async_mode``) are refused at
+start-up (:func:`check_async_mode`).
 """
 
 from __future__ import annotations
 
 import errno
+import inspect
 import io
 import os
 import re
@@ -83,8 +84,8 @@ from titan_lowbit.optim.formats import STATE_FORMATS, block_of
 from titan_lowbit.torchtitan.checkpoint_convert import (
     ANY_GROUP_KEY,
     GROUP_ENTRY,
+    FittedLRSchedulers,
     conversion_requested,
-    fit_lr_schedulers,
     fp32_selection,
     load_converted,
 )
@@ -316,9 +317,15 @@ def conversion_record(model_parts) -> dict[str, torch.Tensor]:
     """What a checkpoint records of the model's conversion: the number of BitNet weights
     (``[model] converters`` with ``bitnet``). Their state-dict entries are the plain latent
     weights, the same keys and shapes as without the converter, so nothing else in the
-    checkpoint tells a BitNet run from a plain one."""
-    n = sum(local_training_weight(p) is not None for m in model_parts for p in m.parameters())
-    return {"bitnet_weights": torch.tensor(n, dtype=torch.int64)}
+    checkpoint tells a BitNet run from a plain one. Counted over the whole model: under
+    pipeline parallelism a rank holds some stages only, so the names are gathered from
+    every rank (a collective)."""
+    names = [n for m in model_parts for n, p in m.named_parameters() if local_training_weight(p) is not None]
+    if dist.is_available() and dist.is_initialized():
+        gathered: list[list[str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, names)
+        names = [n for part in gathered for n in part or []]
+    return {"bitnet_weights": torch.tensor(len(set(names)), dtype=torch.int64)}
 
 
 def _conversion_problem(checkpoint_id: str, keys, model_parts) -> str | None:
@@ -774,6 +781,23 @@ def save_atomically(save, checkpoint_id: str):
     return result
 
 
+def check_async_mode(checkpoint_config) -> None:
+    """Refuse ``[checkpoint] async_mode`` other than "disabled" (with checkpoints on): the
+    guarantees above need every rank's files written before the manifest is written and
+    the folder is moved into place. An async save returns while it writes; finishing it
+    in the background would take collectives (every rank done) in a background thread
+    beside training's, and a crash there would leave a step folder that looks complete."""
+    mode = checkpoint_config.async_mode.lower()
+    if checkpoint_config.enable and mode != "disabled":
+        raise ValueError(
+            f'[checkpoint] async_mode = "{mode}" writes checkpoints in the background, but '
+            "titan_lowbit's checkpoint safety (a manifest of every record, written once all "
+            "ranks have written theirs, and a step folder moved into place only when complete, "
+            "both verified at load) needs the save finished on every rank before training "
+            'goes on. Set [checkpoint] async_mode = "disabled" (--checkpoint.async_mode '
+            "disabled): each save then holds training for its write time.")
+
+
 def register() -> None:
     """Wrap torchtitan's CheckpointManager.dcp_load, dcp_save and _find_load_step with the
     checks above: private methods of torchtitan, so only with a tested torchtitan
@@ -781,12 +805,18 @@ def register() -> None:
     if not private_api_ok("torchtitan"):
         return
     from torchtitan.components.checkpoint import (
-        LR_SCHEDULER, MODEL, OPTIMIZER, AsyncMode, CheckpointManager)
+        LR_SCHEDULER, MODEL, OPTIMIZER, CheckpointManager)
     from torchtitan.tools.logging import logger
 
     original_load = CheckpointManager.dcp_load
     if getattr(original_load, "titan_lowbit_checked", False):
         return
+    original_init = CheckpointManager.__init__
+
+    def __init__(self, *args, **kwargs):
+        bound = inspect.signature(original_init).bind(self, *args, **kwargs)
+        check_async_mode(bound.arguments["checkpoint_config"])
+        original_init(self, *args, **kwargs)
     original_save = CheckpointManager.dcp_save
     original_find = CheckpointManager._find_load_step
 
@@ -797,8 +827,10 @@ def register() -> None:
         verify(checkpoint_id, metadata)
         conversion = check_compatible(state_dict, checkpoint_id, metadata, self.states[MODEL].model,
                                       convert=conversion_requested(self))
-        if (schedule_warning := schedule_change(state_dict.get(LR_SCHEDULER), checkpoint_id)):
-            logger.warning(schedule_warning)
+        if LR_SCHEDULER in state_dict:
+            if (schedule_warning := schedule_change(state_dict[LR_SCHEDULER], checkpoint_id)):
+                logger.warning(schedule_warning)
+            state_dict = {**state_dict, LR_SCHEDULER: FittedLRSchedulers(state_dict[LR_SCHEDULER])}
         try:
             if conversion is None:
                 result = original_load(self, state_dict, checkpoint_id, from_hf, from_quantized)
@@ -809,7 +841,6 @@ def register() -> None:
                 for line in load_converted(state_dict[OPTIMIZER], checkpoint_id, *conversion):
                     logger.info(f"titan_lowbit: checkpoint {checkpoint_id}: optimizer states converted "
                                 f"([lowbit] convert_optimizer_states): {line}")
-            fit_lr_schedulers(state_dict.get(LR_SCHEDULER))
             return result
         except (Exception, CheckpointException) as err:  # CheckpointException: BaseException
             crc = os.environ.get(VERIFY_ENV, "crc").lower() != "size"
@@ -823,13 +854,13 @@ def register() -> None:
         def save(target):
             result = original_save(self, state_dict, target, async_mode,
                                    enable_garbage_collection, to_hf)
-            if not to_hf and async_mode == AsyncMode.DISABLED:  # written: the manifest comes last
+            if not to_hf:  # written (async saves are refused): the manifest comes last
                 if not dist.is_initialized() or dist.get_rank() == 0:
                     write_schedule(self.states.get(LR_SCHEDULER), target)
                 write_manifest(target)
             return result
 
-        if to_hf or async_mode != AsyncMode.DISABLED or not STEP_DIR.fullmatch(
+        if to_hf or not STEP_DIR.fullmatch(
                 os.path.basename(os.path.normpath(checkpoint_id))):
             return save(checkpoint_id)
         return save_atomically(save, checkpoint_id)
@@ -849,6 +880,7 @@ def register() -> None:
         return step
 
     dcp_load.titan_lowbit_checked = True
+    patch(CheckpointManager, "__init__", __init__)
     patch(CheckpointManager, "dcp_load", dcp_load)
     patch(CheckpointManager, "dcp_save", dcp_save)
     patch(CheckpointManager, "_find_load_step", _find_load_step)

@@ -16,6 +16,7 @@ weights. For the time of the conversion the source states take memory beside the
 
 from __future__ import annotations
 
+import copy
 import itertools
 from typing import Any
 
@@ -161,27 +162,46 @@ def describe_changes(saved: dict[str, dict[str, Any]], have: dict[str, dict[str,
     return lines
 
 
-def fit_lr_schedulers(schedulers) -> None:
-    """Give the loaded LR schedulers (torchtitan's container: the first scheduler's state,
-    loaded into every one) one per-group value for each of their optimizer's groups. The
-    saved state has one value per param group of the optimizer that wrote it, which may
-    group the parameters otherwise (``[lowbit] fp32_states`` adds a group, a conversion may
-    add or drop it, and one model part may have a group that another lacks); torch's
-    scheduler would stop at its next step (its ``base_lrs``; the last lrs it reports are
-    recomputed by that step from the param groups). All groups of the 0.2 line share
-    ``[optimizer] lr``, so one value serves every group; differing values are refused."""
-    for scheduler in getattr(schedulers, "schedulers", ()):
-        groups = len(scheduler.optimizer.param_groups)
-        values = scheduler.base_lrs
-        if len(values) == groups:
+def fitted_scheduler_state(state: dict[str, Any], groups: int) -> dict[str, Any]:
+    """A saved LR scheduler state (torchtitan's container saves the first scheduler's and
+    loads it into every one) with one per-group entry for each of ``groups`` param groups.
+    The saved state has one entry per param group of the optimizer that wrote it, which
+    may group the parameters otherwise (``[lowbit] fp32_states`` adds a group, a conversion
+    may add or drop it, and under pipeline parallelism one model part may have a group
+    that another lacks); torch's LambdaLR would fail to load more entries than it has
+    groups, or stop at its next step with fewer. All groups of the 0.2 line share
+    ``[optimizer] lr`` and the schedule, so one entry serves every group; differing
+    values are refused. (DCP loads the list of base_lrs as saved, but the per-group
+    lambdas' attributes in the shape of this rank's first scheduler.)"""
+    fitted = dict(state)
+    for key in ("base_lrs", "lr_lambdas"):  # the last lrs are recomputed by the next step
+        values = state.get(key)
+        if not isinstance(values, list) or len(values) in (0, groups):
             continue
-        if len(set(values)) != 1:
+        if any(v != values[0] for v in values):
             raise ValueError(
-                f"the checkpoint's LR scheduler holds base_lrs {values} for {len(values)} param groups, "
+                f"the checkpoint's LR scheduler holds {key} {values} for {len(values)} param groups, "
                 f"this run's optimizer has {groups}: resume with the [lowbit] fp32_states it was "
                 "written with, or start the schedule afresh with --checkpoint.exclude_from_loading "
                 "lr_scheduler")
-        scheduler.base_lrs = [values[0]] * groups
+        fitted[key] = [values[0]] * groups
+    return fitted
+
+
+class FittedLRSchedulers(Stateful):
+    """torchtitan's LR scheduler container as DCP loads it: the saved state goes into each
+    scheduler fitted to its optimizer's param groups (:func:`fitted_scheduler_state`)."""
+
+    def __init__(self, container):
+        self.container = container
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.container.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for scheduler in self.container.schedulers:
+            scheduler.load_state_dict(
+                fitted_scheduler_state(copy.deepcopy(state_dict), len(scheduler.optimizer.param_groups)))
 
 
 def load_converted(container, checkpoint_id: str, saved: dict[str, dict[str, Any]],

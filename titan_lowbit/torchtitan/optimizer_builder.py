@@ -10,11 +10,18 @@ from :data:`titan_lowbit.optim.OPTIMIZERS`, built into torchtitan's own
 from __future__ import annotations
 
 import functools
+import zlib
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+    StateDictOptions,
+)
 from torchtitan.components.optimizer import (
     build_optimizers as torchtitan_build_optimizers,
     OptimizersContainer,
@@ -66,20 +73,38 @@ def param_groups(named_params: list[tuple[str, nn.Parameter]], fp32_states: list
         [{"params": chosen, "state_format": FP32_STATES_FORMAT}] if chosen else [])
 
 
+def rounding_seed(seed: int, names: list[str]) -> int:
+    """The stochastic-rounding seed of an optimizer that holds only some of the model's
+    parameters (one optimizer per model part under pipeline parallelism, one per parameter
+    with ``[optimizer] early_step_in_backward``).
+
+    LowBitAdamW keys a parameter's rounding noise by its seed and the parameter's position
+    in that optimizer. Optimizers that each count positions from 0 would give different
+    parameters the same noise; the CRC-32 of their parameters' names in the seed's high
+    32 bits gives each its own keys. Every rank that holds the same parameters (FSDP, TP
+    and HSDP peers of a stage) derives the same seed."""
+    return seed ^ (zlib.crc32("\n".join(names).encode()) << 32)
+
+
 class NamedParamsOptimizer:
     """Builds an optimizer from torchtitan's bare parameter list, adding the parameters'
     fully qualified names, so that every error and log line can name the parameter, and
     putting the parameters ``fp32_states`` selects in a param group of fp32 states
-    (:func:`param_groups`)."""
+    (:func:`param_groups`). With ``seed_by_names`` each optimizer's seed is
+    :func:`rounding_seed` of its parameters' names: for containers whose optimizers hold
+    only part of the model."""
 
     def __init__(self, optimizer_cls: type[torch.optim.Optimizer], model_parts: list[nn.Module],
-                 fp32_states: list[str] = ()):
+                 fp32_states: list[str] = (), seed_by_names: bool = False):
         self.optimizer_cls = optimizer_cls
         self.names = {p: n for m in model_parts for n, p in m.named_parameters()}
         self.fp32_states = list(fp32_states)
+        self.seed_by_names = seed_by_names
 
     def __call__(self, params, **kwargs) -> torch.optim.Optimizer:
         named = [(self.names[p], p) for p in params]
+        if self.seed_by_names:
+            kwargs = {**kwargs, "seed": rounding_seed(kwargs["seed"], [n for n, _ in named])}
         return self.optimizer_cls(param_groups(named, self.fp32_states) if self.fp32_states else named,
                                   **kwargs)
 
@@ -148,16 +173,6 @@ def check_combination(name: str, lowbit: LowBit, early_step_in_backward: bool,
             "early_step_in_backward each parameter steps on its own as its gradient arrives: the "
             "others would still step. Use nonfinite_grad = 'raise', or turn early_step_in_backward off."
         )
-    if early_step_in_backward and lowbit.weight_update == "stochastic":
-        # OptimizersInBackwardContainer builds one optimizer per parameter, and the
-        # rounding key is the seed and the parameter's position in its optimizer.
-        raise ValueError(
-            "[lowbit] weight_update = 'stochastic' keys each parameter's rounding noise by its "
-            "position in the optimizer, but [optimizer] early_step_in_backward gives every "
-            "parameter an optimizer of its own: all parameters would round with the same random "
-            "numbers. Use weight_update = 'kahan', 'master' or 'master_remainder', or turn "
-            "early_step_in_backward off."
-        )
 
 
 def build_lowbit_optimizers(
@@ -185,6 +200,15 @@ def build_lowbit_optimizers(
             "behaviour titan_lowbit cannot reproduce around its own optimizers; use "
             "Adam/AdamW for this model."
         )
+    if optimizer_config.early_step_in_backward and parallel_dims is not None:
+        # torchtitan's own builder refuses these for Adam/AdamW: the same for ours.
+        for degree, key in (("pp", "pipeline_parallel_degree"), ("ep", "expert_parallel_degree")):
+            if getattr(parallel_dims, f"{degree}_enabled"):
+                raise NotImplementedError(
+                    f"[optimizer] early_step_in_backward = true is not supported with [parallelism] "
+                    f"{key} = {getattr(parallel_dims, degree)} (torchtitan supports optimizers in "
+                    "backward without it, for torch's optimizers too); turn early_step_in_backward "
+                    f"off, or set {key} = 1.")
     if ft_manager is not None and getattr(ft_manager, "enabled", False):
         raise NotImplementedError(
             f"[optimizer] name = {name!r} is not supported with torchft fault tolerance; "
@@ -204,10 +228,22 @@ def build_lowbit_optimizers(
         nonfinite_grad=lowbit.nonfinite_grad,
         **OPTIMIZERS[name],
     )
-    factory = NamedParamsOptimizer(LowBitAdamW, model_parts, lowbit.fp32_states)
-    if optimizer_config.early_step_in_backward:
-        return OptimizersInBackwardContainer(model_parts, factory, kwargs)
-    return LowBitOptimizersContainer(model_parts, factory, kwargs)
+    early = optimizer_config.early_step_in_backward
+    pipelined = parallel_dims is not None and parallel_dims.pp_enabled
+    factory = NamedParamsOptimizer(LowBitAdamW, model_parts, lowbit.fp32_states,
+                                   seed_by_names=early or pipelined)
+    if early:
+        return LowBitOptimizersInBackwardContainer(model_parts, factory, kwargs)
+    container = LowBitOptimizersContainer(model_parts, factory, kwargs)
+    if pipelined and any(isinstance(p, DTensor) for p in _params(model_parts)):
+        container.refuse_load = (
+            f"[parallelism] pipeline_parallel_degree = {parallel_dims.pp} with stages sharded by "
+            "FSDP2 or TP: titan_lowbit's optimizers check a loaded state on every rank and combine "
+            "the verdicts over all ranks, but the stages hold different parameters, so the ranks "
+            "would wait on each other forever. Resume without pipeline parallelism (the "
+            "checkpoint reshards, e.g. onto FSDP2 over the same ranks), or start the optimizer "
+            "states afresh with --checkpoint.exclude_from_loading optimizer.")
+    return container
 
 
 class LowBitOptimizersContainer(OptimizersContainer):
@@ -215,12 +251,42 @@ class LowBitOptimizersContainer(OptimizersContainer):
     parallelism) whose step settles the non-finite checks of every part before it steps
     any (``lowbit_optimizers.settled_step``)."""
 
+    refuse_load: str = ""  # why this container cannot load a state dict, if it cannot
+
+    def load_state_dict(self, state_dict) -> None:
+        if self.refuse_load:
+            raise NotImplementedError(f"loading titan_lowbit's optimizer states with {self.refuse_load}")
+        super().load_state_dict(state_dict)
+
     def step(self, *args, **kwargs) -> None:
         # Each optimizer's own step, as torchtitan's container steps them; not through
         # OptimizersContainer.step, which torch may have wrapped with the step hooks too
         # (once any plain container exists): this container's hooks would run twice.
         settled_step(self.optimizers, lambda: [opt.step(*args, **kwargs) for opt in self.optimizers],
                      lambda i: f"model part {i}", "model parts")
+
+
+class LowBitOptimizersInBackwardContainer(OptimizersInBackwardContainer):
+    """torchtitan's container for ``[optimizer] early_step_in_backward`` (one optimizer per
+    parameter, stepped by a hook as soon as the parameter's gradient is ready) whose state
+    dict holds every optimizer's states. torchtitan's own pairs model parts with
+    optimizers one to one: with one model part and an optimizer per parameter it would
+    save and load the first parameter's states only, and a resumed run would start every
+    other parameter's moments afresh."""
+
+    _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def _model_part_of_each_optimizer(self) -> list[nn.Module]:
+        part_of = {p: m for m in self.model_parts for p in m.parameters()}
+        return [part_of[opt.param_groups[0]["params"][0]] for opt in self.optimizers]
+
+    def state_dict(self) -> dict:
+        return {k: v for model, opt in zip(self._model_part_of_each_optimizer(), self.optimizers)
+                for k, v in get_optimizer_state_dict(model, opt, options=self._OPTIONS).items()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for model, opt in zip(self._model_part_of_each_optimizer(), self.optimizers):
+            set_optimizer_state_dict(model, opt, optim_state_dict=state_dict, options=self._OPTIONS)
 
 
 def _fp32_states_share(optimizers: OptimizersContainer, lowbit: LowBit) -> str:

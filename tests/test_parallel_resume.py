@@ -1,0 +1,157 @@
+"""torchtitan's other meshes and optimizer containers with all three titan_lowbit features at
+once (BitNet linears, AdamW8bit states, bf16 weights with stochastic rounding), on gloo
+processes: each run trains, resumes from a checkpoint bit for bit, and, where the mesh
+changes the checkpoint's layout, its checkpoint loads exactly on a plain FSDP2 mesh
+(tests/reshard_check.py).
+
+- HSDP 2 x 2 (``data_parallel_replicate_degree`` 2 x ``data_parallel_shard_degree`` 2):
+  the last save is a Hugging Face export (``[checkpoint] last_save_in_hf``);
+- pipeline parallelism 2 x FSDP2 2 with an interleaved schedule (two model parts, so two
+  optimizers, per rank; ``[lowbit] fp32_states`` names parameters of the first and of the
+  last stage): it trains and its checkpoint reshards onto FSDP2, but a resume on the
+  pipeline mesh is refused before it would hang;
+- ``[optimizer] early_step_in_backward`` on FSDP2 2 (one optimizer per parameter).
+"""
+
+import shutil
+
+import pytest
+import torch
+
+from conftest import DEBUG_CONFIG, run_train, step_losses
+from test_reshard import reshard_check
+
+pytestmark = pytest.mark.trainer  # every test here runs torchtitan's Trainer
+
+STEPS, SAVE = 4, 2
+ALL_THREE = ("--model.converters", "bitnet", "--optimizer.name", "AdamW8bit",
+             "--lowbit.weight_dtype", "bfloat16", "--lowbit.weight_update", "stochastic")
+
+
+def straight_and_resumed(dump, *overrides, nproc, straight=(), resumed=()):
+    """A run of STEPS steps that saves at SAVE and STEPS (extra flags ``straight``), its
+    last checkpoint moved to ``dump/straight-step-STEPS``, then the same run resumed from
+    step SAVE (extra flags ``resumed``). Returns the two runs' outputs."""
+    common = ("--training.steps", str(STEPS), "--lr_scheduler.total_steps", "8",
+              "--validation.no-enable", "--job.dump_folder", str(dump), "--checkpoint.enable",
+              "--checkpoint.interval", str(SAVE), *ALL_THREE, *overrides)
+    first = run_train(*common, *straight, nproc=nproc)
+    shutil.move(dump / "checkpoint" / f"step-{STEPS}", dump / f"straight-step-{STEPS}")
+    second = run_train(*common, *resumed, nproc=nproc)
+    out = second.stdout + second.stderr
+    assert f"Loading the checkpoint from {dump / 'checkpoint' / f'step-{SAVE}'}" in out, out[-3000:]
+    return first.stdout, second.stdout
+
+
+def dcp_tensors(folder) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint folder, by its flattened key."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(str(folder), f"{tmp}/ckpt.pt")
+        saved = torch.load(f"{tmp}/ckpt.pt", weights_only=False)
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, torch.Tensor):
+            flat[prefix] = value
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+    walk("", saved)
+    return flat
+
+
+def reshards_onto_fsdp(dump, *overrides):
+    """The step-SAVE checkpoint loads on 2 processes, FSDP2 only, every model and optimizer
+    tensor equal to the checkpoint's (tests/reshard_check.py)."""
+    argv = ["--job.config_file", str(DEBUG_CONFIG), "--validation.no-enable",
+            "--job.dump_folder", str(dump), "--checkpoint.enable", *ALL_THREE, *overrides,
+            "--checkpoint.exclude_from_loading", "dataloader"]
+    check = reshard_check(2, str(dump / "checkpoint"), str(SAVE), *argv)
+    assert check.returncode == 0, check.stdout[-4000:] + check.stderr[-4000:]
+    assert "RESHARD OK" in check.stdout and "on 2 processes" in check.stdout
+
+
+def hf_export(folder) -> dict[str, torch.Tensor]:
+    """The model of a Hugging Face export (``last_save_in_hf``), in torchtitan's names."""
+    from safetensors.torch import load_file
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    hf = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        hf.update(load_file(f))
+    assert hf, f"no safetensors file in {folder}: {sorted(p.name for p in folder.iterdir())}"
+    spec = get_train_spec("llama3")
+    return spec.state_dict_adapter(spec.model_args["debugmodel"], None).from_hf(hf)
+
+
+def test_hsdp_resumes_bit_for_bit_exports_to_hugging_face_and_reshards(tmp_path, prepared_data):
+    dump = tmp_path / "hsdp"
+    hsdp = ("--parallelism.data_parallel_replicate_degree", "2",
+            "--parallelism.data_parallel_shard_degree", "2")
+    full, resumed = straight_and_resumed(
+        dump, *hsdp, nproc=4,
+        straight=("--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only"))
+    full, resumed = step_losses(full), step_losses(resumed)
+    assert sorted(full) == list(range(1, STEPS + 1)) and float(full[STEPS]) < float(full[1]) - 0.4, full
+    assert resumed == {s: full[s] for s in range(SAVE + 1, STEPS + 1)}, (full, resumed)
+
+    # The export holds the bf16 weights as they are, equal to the resumed run's at the
+    # same step (bit for bit, as the losses are).
+    exported = hf_export(dump / f"straight-step-{STEPS}")
+    model = {k: v for k, v in dcp_tensors(dump / "checkpoint" / f"step-{STEPS}").items()
+             if not k.startswith(("optimizer", "lr_scheduler", "dataloader", "train_state"))
+             and "titan_lowbit" not in k}
+    assert sorted(exported) == sorted(model), (sorted(exported), sorted(model))
+    for key, value in exported.items():
+        assert value.dtype == torch.bfloat16 and torch.equal(value, model[key]), key
+
+    reshards_onto_fsdp(dump)
+
+
+def test_pipeline_parallel_trains_reshards_and_refuses_a_resume_on_its_mesh(tmp_path, prepared_data):
+    # Interleaved1F1B: 4 stages of the 6-layer model on 2 pipeline ranks, so each rank
+    # steps two model parts (two optimizers) and precomputes the BitNet scales of both.
+    dump = tmp_path / "pp"
+    fp32_states = ("--lowbit.fp32_states", "tok_embeddings,output")
+    pp = ("--training.steps", str(STEPS), "--lr_scheduler.total_steps", "8",
+          "--validation.no-enable", "--job.dump_folder", str(dump), "--checkpoint.enable",
+          "--checkpoint.interval", str(SAVE), *ALL_THREE, *fp32_states,
+          "--parallelism.pipeline_parallel_degree", "2",
+          "--parallelism.data_parallel_shard_degree", "2",
+          "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B")
+    out = run_train(*pp, nproc=4).stdout
+    # fp32_states checks its fragments against every stage's names: each rank's parts
+    # hold one of the two selected parameters.
+    assert "fp32 states for 1 param" in out, out[-3000:]
+
+    # Rank 0 holds the first stages and logs no loss under PP: the checkpoints show that
+    # both ends of the model trained, in the states asked for.
+    saved, last = (dcp_tensors(dump / "checkpoint" / f"step-{s}") for s in (SAVE, STEPS))
+    assert last["optimizer.state.tok_embeddings.weight.exp_avg"].dtype == torch.float32
+    assert "optimizer.state.layers.5.attention.wq.weight.exp_avg_codes" in last
+    for first_and_last in ("tok_embeddings.weight", "output.weight", "layers.0.attention.wq.weight",
+                           "layers.5.feed_forward.w2.weight"):
+        assert not torch.equal(saved[first_and_last], last[first_and_last]), first_and_last
+
+    reshards_onto_fsdp(dump, *fp32_states)
+
+    # A resume on the pipeline mesh stops before it loads the optimizer states, naming
+    # the way out (see optimizer_builder.build_lowbit_optimizers).
+    shutil.rmtree(dump / "checkpoint" / f"step-{STEPS}")
+    proc = run_train(*pp, nproc=4, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and not step_losses(out), out[-3000:]
+    assert "pipeline_parallel_degree = 2 with stages sharded" in out, out[-3000:]
+    assert "--checkpoint.exclude_from_loading optimizer" in out, out[-3000:]
+
+
+def test_early_step_in_backward_resumes_bit_for_bit(tmp_path, prepared_data):
+    dump = tmp_path / "early"
+    full, resumed = straight_and_resumed(dump, "--optimizer.early_step_in_backward", nproc=2)
+    full, resumed = step_losses(full), step_losses(resumed)
+    assert sorted(full) == list(range(1, STEPS + 1)) and float(full[STEPS]) < float(full[1]) - 0.4, full
+    assert resumed == {s: full[s] for s in range(SAVE + 1, STEPS + 1)}, (full, resumed)
