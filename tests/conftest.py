@@ -403,3 +403,11 @@ def run_on_gloo(scenarios, world: int, out_path: Path, start: str = "auto"):
         warnings.warn(f"run_on_gloo: {where} aborted (SIGABRT) in gloo's teardown after every "
                       "rank finished; results kept")
         return torch.load(out_path, weights_only=False)
+
+
+def reshard_check(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    """tests/reshard_check.py on ``nproc`` gloo processes. It only reads the checkpoint,
+    so a run that a rank's abort in gloo's teardown failed after the check passed on every
+    rank (see TRAINING_FINISHED) is run once more."""
+    return torchrun([str(ROOT / "tests" / "reshard_check.py"), *args], nproc, cpu_run_env(), 900,
+                    finished="RESHARD OK")

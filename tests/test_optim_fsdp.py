@@ -176,7 +176,35 @@ def _scenarios(rank):
             res["nonfinite_raise"] = None
         except FloatingPointError as e:
             res["nonfinite_raise"] = (str(e), int(opt.state[model[0].weight]["step"]))
+
+    # A state dict whose shard on rank 1 alone holds a NaN scale: every rank refuses it
+    # (the check combines over the parameters' mesh), and none has loaded anything.
+    model = sharded_model()
+    opt = LowBitAdamW(list(model.named_parameters()), **kw)
+    train(model, opt, xs[:1])
+    saved = opt.state_dict()
+    before = {k: v._local_tensor.clone() for k, v in opt.state[model[0].weight].items()
+              if isinstance(v, DTensor)}
+    absmax = next(k for k in saved["state"][0] if k.endswith("absmax"))
+    damaged = saved["state"][0][absmax].clone()  # state_dict() shares the live state tensors
+    if rank == 1:
+        damaged._local_tensor[0] = float("nan")
+    saved = {**saved, "state": {**saved["state"], 0: {**saved["state"][0], absmax: damaged}}}
+    try:
+        opt.load_state_dict(saved)
+        res["damaged_shard"] = None
+    except ValueError as e:
+        res["damaged_shard"] = (str(e), all(torch.equal(v._local_tensor, before[k])
+                                             for k, v in opt.state[model[0].weight].items() if k in before))
     return res
+
+
+def test_a_damaged_state_shard_on_one_rank_is_refused_on_every_rank(results):
+    """Rank 0's shard is sound; it refuses the state dict too, naming the entry, and
+    keeps its state."""
+    msg, unchanged = results["damaged_shard"]
+    assert "state entry 'exp_avg" in msg and "absmax" in msg and "another rank" in msg, msg
+    assert unchanged
 
 
 def test_a_nonfinite_gradient_on_one_rank_stops_or_skips_every_rank(results):

@@ -9,18 +9,10 @@ import subprocess
 
 import pytest
 
-from conftest import (DEBUG_CONFIG, ROOT, SAVE_STEP, cpu_run_env, resume_folder, run_train,
-                      step_losses, torchrun)
+from conftest import (DEBUG_CONFIG, ROOT, SAVE_STEP, cpu_run_env, reshard_check, resume_folder,
+                      run_train, step_losses, torchrun)
 
 pytestmark = pytest.mark.trainer  # every test here runs torchtitan's Trainer
-
-
-def reshard_check(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    """tests/reshard_check.py on ``nproc`` gloo processes. It only reads the checkpoint,
-    so a run that a rank's abort in gloo's teardown failed after the check passed on every
-    rank (see conftest.TRAINING_FINISHED) is run once more."""
-    return torchrun([str(ROOT / "tests" / "reshard_check.py"), *args], nproc, cpu_run_env(), 900,
-                    finished="RESHARD OK")
 
 
 @pytest.mark.parametrize("nproc", [1, 4])

@@ -150,8 +150,12 @@ def value_problem(value: torch.Tensor, spec: EntrySpec) -> torch.Tensor:
 
 
 def find_value_problems(checks: list[tuple[torch.Tensor, EntrySpec]], distributed: bool) -> list[bool]:
-    """For every (loaded tensor, spec): whether its values are invalid, on any rank when
-    ``distributed`` (all ranks must call it with checks in the same order)."""
+    """For every (loaded tensor, spec): whether its values are invalid, on any rank that
+    holds a shard of it when ``distributed``: the flags are combined over each dimension of
+    the DTensors' meshes, whose ranks all hold the same parameters and call this with the
+    checks in the same order; ranks outside them (another pipeline stage, with other
+    parameters and another number of checks) take no part. Without DTensors the ranks'
+    copies are whole, and each rank's own flags are every rank's answer."""
     by_device: dict[torch.device, list[int]] = {}
     flags = [False] * len(checks)
     for i, (value, _) in enumerate(checks):
@@ -161,15 +165,18 @@ def find_value_problems(checks: list[tuple[torch.Tensor, EntrySpec]], distribute
         found = torch.stack([value_problem(*checks[i]) for i in idx]).cpu().tolist()
         for i, bad in zip(idx, found):
             flags[i] = bool(bad)
-    if distributed and checks:
+    meshes = list(dict.fromkeys(value.device_mesh for value, _ in checks if isinstance(value, DTensor)))
+    if distributed and meshes:
         import torch.distributed as dist
 
         device = torch.device("cpu")
         if dist.get_backend() != "gloo":
             device = torch.device("cuda", torch.cuda.current_device())
-        world = torch.tensor(flags, dtype=torch.int32, device=device)
-        dist.all_reduce(world, op=dist.ReduceOp.MAX)
-        flags = [bool(f) for f in world.cpu().tolist()]
+        combined = torch.tensor(flags, dtype=torch.int32, device=device)
+        for mesh in meshes:
+            for dim in range(mesh.ndim):
+                dist.all_reduce(combined, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+        flags = [bool(f) for f in combined.cpu().tolist()]
     return flags
 
 

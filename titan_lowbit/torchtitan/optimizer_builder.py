@@ -16,7 +16,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
@@ -235,14 +234,6 @@ def build_lowbit_optimizers(
     if early:
         return LowBitOptimizersInBackwardContainer(model_parts, factory, kwargs)
     container = LowBitOptimizersContainer(model_parts, factory, kwargs)
-    if pipelined and any(isinstance(p, DTensor) for p in _params(model_parts)):
-        container.refuse_load = (
-            f"[parallelism] pipeline_parallel_degree = {parallel_dims.pp} with stages sharded by "
-            "FSDP2 or TP: titan_lowbit's optimizers check a loaded state on every rank and combine "
-            "the verdicts over all ranks, but the stages hold different parameters, so the ranks "
-            "would wait on each other forever. Resume without pipeline parallelism (the "
-            "checkpoint reshards, e.g. onto FSDP2 over the same ranks), or start the optimizer "
-            "states afresh with --checkpoint.exclude_from_loading optimizer.")
     return container
 
 
@@ -250,13 +241,6 @@ class LowBitOptimizersContainer(OptimizersContainer):
     """torchtitan's container (one optimizer per model part, as under pipeline
     parallelism) whose step settles the non-finite checks of every part before it steps
     any (``lowbit_optimizers.settled_step``)."""
-
-    refuse_load: str = ""  # why this container cannot load a state dict, if it cannot
-
-    def load_state_dict(self, state_dict) -> None:
-        if self.refuse_load:
-            raise NotImplementedError(f"loading titan_lowbit's optimizer states with {self.refuse_load}")
-        super().load_state_dict(state_dict)
 
     def step(self, *args, **kwargs) -> None:
         # Each optimizer's own step, as torchtitan's container steps them; not through
