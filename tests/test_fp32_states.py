@@ -59,7 +59,7 @@ def step(container, model, steps=2, seed=1):
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         for p in model.parameters():
-            p.grad = torch.randn(p.shape, generator=g)
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
         container.step()
 
 
@@ -215,7 +215,7 @@ def test_checkpoint_of_another_selection_converts_on_request(tmp_path):
     run = Container(model, build(model, fp32_states=["output"]))
     conversion = check_compatible({"optimizer": run}, str(tmp_path), convert=True)
     assert conversion is not None
-    lines = load_converted(run, str(tmp_path), *conversion)
+    lines = load_converted(run, str(tmp_path), conversion)
     assert lines == ["fp32_states: into fp32 states ['output.weight'], out of them ['tok_embeddings.weight']: "
                      "those parameters' moments dequantized into fp32 states (exactly) or quantized out of "
                      "them into the optimizer's format"], lines
