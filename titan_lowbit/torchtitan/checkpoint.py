@@ -34,7 +34,9 @@ Loading. Before torchtitan's ``CheckpointManager.dcp_load`` reads anything:
   :class:`CheckpointMismatch` naming the setting to change; they never advise moving or
   deleting the checkpoint, which is fine for the configuration that wrote it. With
   ``[lowbit] convert_optimizer_states = true`` another optimizer layout is converted
-  instead (:mod:`titan_lowbit.torchtitan.checkpoint_convert`), one log line per change;
+  instead (:mod:`titan_lowbit.torchtitan.checkpoint_convert`), one log line per change,
+  and so are fp32 weights into bf16 weights with an fp32 master and back (no other dtype
+  change: ``titan_lowbit.optim.convert.weight_dtype_problem``);
 - an error from DCP's own load (after the checks above passed) is re-raised with the step
   folder: as a :class:`CheckpointMismatch` naming the setting where it is recognized (the
   data loader's dp degree, LowBitAdamW's own load checks, model shapes or names), else as
