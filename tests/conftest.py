@@ -49,8 +49,10 @@ PREPARE_DATA = [sys.executable, "-m", "titan_lowbit.prepare_data"]
 
 from fork_launcher import Launcher, free_port  # noqa: E402
 # scripts/ holds the readers of torchtitan's logs that the scripts and the tests share
-# (run_logs), as scripts/ itself imports them: beside each other, not from the package.
+# (run_logs), as scripts/ itself imports them: beside each other, not from the package;
+# tools/ the checkpoint damage that tools/checkpoint_faults.py makes and the tests make too.
 sys.path.append(str(ROOT / "scripts"))
+sys.path.append(str(ROOT / "tools"))
 from run_logs import step_losses  # noqa: E402,F401  (tests import step_losses from here)
 
 

@@ -15,8 +15,8 @@ report names the rank that failed first, its exit code or signal, with the tail 
 stderr. "First" is by time, as torchrun's error files decide it: a rank that ends with an
 exception records when it caught it, a rank ended by a signal counts from when the server
 saw it exit (at once: the server waits on each rank's pidfd). A rank that fails because a
-peer died (gloo's "connection closed") fails after that peer, so the rank whose error
-started the failure is named, whichever exit the server happens to reap first.
+peer died (gloo's "connection closed" or "reset") comes after every other failed rank, so
+the rank whose error started the failure is named, whichever the clocks say.
 
 The server never runs torch work itself, so nothing is forked mid-computation: no thread
 pool of OpenMP, gloo or Triton exists in it yet. Variables read at import
@@ -52,6 +52,8 @@ RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP
 PRELOAD = ("torch", "torch.distributed.checkpoint", "torchtitan.train",
            "titan_lowbit.torchtitan")
 GRACE_S = 10.0  # after SIGTERM, before SIGKILL
+# gloo's errors on a rank whose peer exited or was killed
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
 _REPLIES_FD = -1  # the server's reply pipe; a forked rank closes its copy
 
 
@@ -298,16 +300,22 @@ def _run(request: dict) -> dict:
         except (FileNotFoundError, ValueError):
             return ended[rank]
 
-    failures = [rank for rank, status in statuses.items() if not _succeeded(status)]
-    first_failure = None
-    if failures and not timed_out:
-        first_failure = min(failures, key=lambda r: (failed_at(r), r))
-
     def read(rank: int, stream: str) -> str:
         try:
             return Path(f"{logs}/{rank}.{stream}").read_text(errors="replace")
         except FileNotFoundError:
             return ""
+
+    def after_a_peer(rank: int) -> bool:
+        """Whether the rank's error is gloo's report of a peer that went away: the
+        consequence of another rank's failure, never its cause, however the clocks fall
+        (a loaded machine may see the peer's exit after this rank caught the error)."""
+        return any(m in read(rank, "err")[-2000:] for m in PEER_GONE)
+
+    failures = [rank for rank, status in statuses.items() if not _succeeded(status)]
+    first_failure = None
+    if failures and not timed_out:
+        first_failure = min(failures, key=lambda r: (after_a_peer(r), failed_at(r), r))
 
     stdout, stderr = _prefixed(read(0, "out"), 0), _prefixed(read(0, "err"), 0)
     returncode = 0

@@ -8,12 +8,19 @@ once in the new format, the step kept, master weights taken from the source's. W
 them, a state of another layout is refused, naming the way to convert it.
 """
 
+import re
+
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from conftest import SAVE_STEP, resume_folder, run_train, step_losses, stopped_run
-from titan_lowbit.kernels.adamw_lowbit_ref import master_rebuild
+from optimizer_container_cases import Container, Tiny, build, step
+from titan_lowbit.kernels.adamw_lowbit_ref import bf16_away, master_rebuild
 from titan_lowbit.optim import LowBitAdamW, convert_state_dict
+from titan_lowbit.torchtitan.checkpoint import CheckpointMismatch, check_compatible
+from titan_lowbit.torchtitan.checkpoint_convert import load_converted, saved_dtype_weights
+from titan_lowbit.torchtitan.train_spec import cast_parameters
 
 SHAPES = ((64, 300), (16,))  # a quantized weight (rows of 300: a short last block), a small one
 NAMES = ("w", "b")
@@ -132,6 +139,124 @@ def test_conversions_refused_naming_why():
         convert_state_dict(torch_amsgrad.state_dict(), to=eight)
 
 
+def test_fp32_weights_become_bf16_weights_and_their_exact_master_and_back():
+    """fp32 weights and torch's AdamW state, converted with the weights into bf16
+    parameters of a master_remainder update: the remainder and the bf16 weight rebuild
+    the fp32 weight bit for bit, the weight is it rounded to nearest; back into fp32
+    parameters of torch's AdamW, the weights are the master exactly."""
+    fp32 = params()
+    torch_adamw = torch.optim.AdamW(fp32, lr=1e-2)
+    train(torch_adamw, fp32)
+    bf16 = [torch.nn.Parameter(p.detach().to(torch.bfloat16)) for p in fp32]  # a plain cast: ties to even
+    for update in ("master", "master_remainder"):
+        run = lowbit(bf16, weight_update=update)
+        run.load_state_dict(convert_state_dict(torch_adamw.state_dict(), to=run,
+                                               weights=dict(zip(bf16, fp32))))
+        for p, w in zip(bf16, fp32):
+            assert torch.equal(p.detach(), bf16_away(w.detach()))
+            held = (run.state[p]["master"] if update == "master"
+                    else master_rebuild(p.detach(), run.state[p]["master_remainder"]))
+            assert torch.equal(held.view(torch.int32), w.detach().view(torch.int32))
+    train(run, bf16, 2)
+    masters = [master_rebuild(p.detach(), run.state[p]["master_remainder"]) for p in bf16]
+    back = [torch.nn.Parameter(torch.zeros_like(w)) for w in fp32]
+    again = torch.optim.AdamW(back)
+    again.load_state_dict(convert_state_dict(run.state_dict(), to=again, weights=dict(zip(back, bf16))))
+    for p, master in zip(back, masters):
+        assert torch.equal(p.detach().view(torch.int32), master.view(torch.int32))
+    assert float(again.state[back[0]]["step"]) == 5.0
+
+
+@pytest.mark.parametrize("source,target,why", [
+    ("fp32", "stochastic", "the bf16 weights would be updated by weight_update 'stochastic', which keeps "
+                           "no fp32 master"),
+    ("kahan", "fp32", "the bf16 weights were updated by weight_update 'kahan', which kept no fp32 master"),
+])
+def test_weight_dtype_changes_without_a_master_are_refused(source, target, why):
+    if source == "fp32":
+        saved = params()
+        optimizer = torch.optim.AdamW(saved)
+    else:
+        saved = params(torch.bfloat16)
+        optimizer = lowbit(saved, weight_update=source)
+    train(optimizer, saved, 1)
+    dtype = torch.float32 if target == "fp32" else torch.bfloat16
+    run_params = [torch.nn.Parameter(p.detach().to(dtype)) for p in saved]
+    run = (torch.optim.AdamW(run_params) if target == "fp32"
+           else lowbit(run_params, weight_update=target))
+    before = [p.detach().clone() for p in run_params]
+    name = "w" if target != "fp32" else "param_groups[0]['params'][0] (shape (64, 300))"
+    with pytest.raises(ValueError, match=re.escape(f"param '{name}': weights saved in {saved[0].dtype}, "
+                                                   f"converted into {dtype}: {why}")):
+        convert_state_dict(optimizer.state_dict(), to=run, weights=dict(zip(run_params, saved)))
+    assert all(torch.equal(p, b) for p, b in zip(run_params, before))  # nothing set
+
+
+def dcp_checkpoint(path, model, container) -> None:
+    """A one-process DCP checkpoint of ``model``'s weights and ``container``'s states."""
+    dcp.save({"optimizer": container.state_dict(), **model.state_dict()}, checkpoint_id=str(path))
+
+
+def resume_converting(path, model, container, convert=True):
+    """What the resume of titan_lowbit's CheckpointManager does, on one process: check,
+    load the model (the weights that change dtype in the checkpoint's), then the states
+    converted. Returns the conversion's log lines."""
+    state_dict = {"optimizer": container, **model.state_dict()}
+    conversion = check_compatible(state_dict, str(path), convert=convert)
+    weights = saved_dtype_weights(state_dict, conversion)
+    rest = {k: weights.get(k, v) for k, v in state_dict.items() if k != "optimizer"}
+    dcp.load(rest, checkpoint_id=str(path))
+    model.load_state_dict(rest)
+    return load_converted(container, str(path), conversion, weights)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_checkpoint_of_fp32_weights_resumes_as_bf16_with_master_remainder_and_back(tmp_path):
+    """torch AdamW and fp32 weights -> AdamW8bit, bf16 weights + master_remainder: the
+    master rebuilds each fp32 weight bit for bit; refused without the switch, and into a
+    stochastic update; then that run's checkpoint back into fp32 weights, the masters."""
+    model = Tiny()
+    saved_run = build(model, name="AdamW")
+    step(saved_run, model)
+    dcp_checkpoint(tmp_path / "fp32", model, Container(model, saved_run))
+    fp32 = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    bf16_model = Tiny()
+    cast_parameters(bf16_model, torch.bfloat16)
+    for update, convert, match in (
+            ("master_remainder", False, r"parameter tok_embeddings.weight: checkpoint holds torch.float32, "
+                                        r"this run torch.bfloat16 \(5 more\)\. Set \[lowbit\] weight_dtype .*"
+                                        r"with \[lowbit\] convert_optimizer_states = true"),
+            ("stochastic", True, r"checkpoint holds torch.float32, this run torch.bfloat16 \(5 more\)\. the bf16 "
+                                 r"weights would be updated by weight_update 'stochastic'")):
+        other = Container(bf16_model, build(bf16_model, weight_dtype="bfloat16", weight_update=update))
+        with pytest.raises(CheckpointMismatch, match=match):
+            check_compatible({"optimizer": other, **bf16_model.state_dict()}, str(tmp_path / "fp32"),
+                             convert=convert)
+    run = Container(bf16_model, build(bf16_model, weight_dtype="bfloat16", weight_update="master_remainder"))
+    lines = resume_converting(tmp_path / "fp32", bf16_model, run)
+    assert lines[-1] == ("weight dtype torch.float32 -> torch.bfloat16 (6 parameters): the fp32 weights kept "
+                         "exactly as master weights, the bf16 weights their rounding to nearest"), lines
+    [opt] = run.optimizers
+    for name, p in bf16_model.named_parameters():
+        assert torch.equal(p.detach(), bf16_away(fp32[name])), name
+        master = master_rebuild(p.detach(), opt.state[p]["master_remainder"])
+        assert torch.equal(master.view(torch.int32), fp32[name].view(torch.int32)), name
+        assert float(opt.state[p]["step"]) == 2.0
+
+    step(opt, bf16_model)
+    masters = {n: master_rebuild(p.detach(), opt.state[p]["master_remainder"])
+               for n, p in bf16_model.named_parameters()}
+    dcp_checkpoint(tmp_path / "bf16", bf16_model, run)
+    back_model = Tiny()
+    back = Container(back_model, build(back_model))  # AdamW8bit, fp32 weights
+    lines = resume_converting(tmp_path / "bf16", back_model, back)
+    assert lines[-1].startswith("weight dtype torch.bfloat16 -> torch.float32 (6 parameters): the fp32 "
+                                "weights are the checkpoint's master weights, exactly"), lines
+    for name, p in back_model.named_parameters():
+        assert torch.equal(p.detach().view(torch.int32), masters[name].view(torch.int32)), name
+
+
 @pytest.mark.trainer
 def test_torchtitan_resume_converts_on_request_and_continues_without_a_loss_jump(
         two_process_checkpoint, tmp_path):
@@ -170,9 +295,11 @@ def assert_no_loss_jump(resumed: dict, full: dict, saved_at: int) -> None:
 
 
 @pytest.mark.trainer
-def test_torch_adamw_checkpoint_resumes_as_adamw8bit_on_request(tmp_path, prepared_data):
-    """A run of torch's AdamW (fp32 states) resumed as AdamW8bit: the states are taken
-    into 8 bits, and training continues as the AdamW run does."""
+def test_torch_adamw_checkpoint_resumes_as_adamw8bit_with_bf16_weights_on_request(tmp_path, prepared_data):
+    """A run of torch's AdamW (fp32 states and weights) resumed as AdamW8bit with bf16
+    weights and master_remainder: the states are taken into 8 bits, the fp32 weights
+    into bf16 ones and their remainders (under FSDP2, 2 processes), and training
+    continues as the AdamW run does, less what bf16 weights change in the forward."""
     overrides = ("--optimizer.name", "AdamW", "--lr_scheduler.total_steps", "8",
                  "--validation.no-enable", "--checkpoint.enable", "--checkpoint.interval", "2",
                  "--job.dump_folder", str(tmp_path / "adamw"))
@@ -181,8 +308,15 @@ def test_torch_adamw_checkpoint_resumes_as_adamw8bit_on_request(tmp_path, prepar
     (resumed / "checkpoint").mkdir(parents=True)
     (resumed / "checkpoint" / "step-2").symlink_to(tmp_path / "adamw" / "checkpoint" / "step-2")
     proc = run_train(*overrides, "--job.dump_folder", str(resumed), "--optimizer.name", "AdamW8bit",
+                     "--lowbit.weight_dtype", "bfloat16", "--lowbit.weight_update", "master_remainder",
                      "--lowbit.convert_optimizer_states", "--training.steps", "4")
-    [line] = [line for line in proc.stdout.splitlines() if "optimizer states converted" in line]
+    lines = [line for line in proc.stdout.splitlines() if "optimizer states converted" in line]
+    assert len(lines) == 2, proc.stdout[-3000:]
     assert "optimizer 'torch Adam/AdamW (fp32 or parameter-dtype moments)' -> 'titan_lowbit' " \
-        "(state_format='8bit', block_size=256, weight_update='nearest', min_quantized_numel=4096)" in line, line
-    assert_no_loss_jump(step_losses(proc.stdout), full, 2)
+        "(state_format='8bit', block_size=256, weight_update='master_remainder', " \
+        "min_quantized_numel=4096)" in lines[0], lines
+    assert "weight dtype torch.float32 -> torch.bfloat16 (" in lines[1], lines
+    losses = step_losses(proc.stdout)
+    assert sorted(losses) == [3, 4], losses
+    for s in (3, 4):  # the forward in bf16 weights: close to the fp32 run's, not equal
+        assert abs(float(losses[s]) - float(full[s])) <= 1e-2, (losses, full)

@@ -31,9 +31,10 @@ from types import SimpleNamespace
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
+from checkpoint_faults import edit_step, flip_bit, swap_records  # tools/checkpoint_faults.py
 from conftest import SAVE_STEP, resume_folder, run_on_gloo, run_train, step_losses, stopped_run
 from titan_lowbit.torchtitan import checkpoint as ckpt
-from titan_lowbit.torchtitan.checkpoint_manifest import MANIFEST, index_places, write_manifest
+from titan_lowbit.torchtitan.checkpoint_manifest import MANIFEST, write_manifest
 
 LAST = SAVE_STEP + 2  # the fixture run saved at SAVE_STEP and at its last step, LAST
 # What torch.distributed.checkpoint.load warns when called with no_dist=True.
@@ -57,19 +58,6 @@ def interrupt(step_dir):
     (step_dir / ".metadata").unlink()
     shard = step_dir / "__1_0.distcp"
     os.truncate(shard, shard.stat().st_size // 2)
-
-
-def overwrite_optimizer_bytes(step_dir) -> str:
-    """Overwrite 64 bytes in the middle of the largest optimizer-state tensor in
-    ``__0_0.distcp``, inside the tensor's data; return the tensor's key."""
-    meta = FileSystemReader(str(step_dir)).read_metadata()
-    index, info = max(((i, s) for i, s in meta.storage_data.items()
-                       if i.fqn.startswith("optimizer.state.") and s.relative_path == "__0_0.distcp"),
-                      key=lambda item: item[1].length)
-    with open(step_dir / "__0_0.distcp", "r+b") as f:
-        f.seek(info.offset + info.length // 2)
-        f.write(b"\xa5" * 64)
-    return index.fqn
 
 
 @pytest.mark.trainer
@@ -100,7 +88,7 @@ def test_damaged_checkpoint_stops_the_run_naming_folder_tensor_and_fallback(
     fixture_dump, _, overrides = two_process_checkpoint
     damaged = {}
     dump = dump_with(tmp_path, fixture_dump,
-                     lambda d: damaged.update(fqn=overwrite_optimizer_bytes(d)))
+                     lambda d: damaged.update(fqn=flip_bit(d)[0]))
 
     out = stopped_run(*overrides, "--job.dump_folder", str(dump), "--training.steps", str(LAST + 1))
     step_dir = dump / "checkpoint" / f"step-{LAST}"
@@ -120,7 +108,7 @@ def test_truncated_missing_and_unreadable_files_are_named(two_process_checkpoint
     meta = ckpt.read_metadata(str(step_dir))
     assert ckpt.file_problems(str(step_dir), meta) == []
 
-    fqn = overwrite_optimizer_bytes(step_dir)
+    [fqn] = flip_bit(step_dir)
     [problem] = ckpt.file_problems(str(step_dir), meta)
     assert problem.startswith(f"__0_0.distcp: {fqn} (bytes ") and "Bad CRC-32" in problem
     # Split between 2 ranks: file 0 is rank 0's to read; sizes are checked by every rank.
@@ -145,41 +133,6 @@ def test_truncated_missing_and_unreadable_files_are_named(two_process_checkpoint
 SWAPPED = tuple(f"optimizer.state.layers.{i}.attention.wq.weight.exp_avg_codes" for i in (0, 1))
 
 
-def place_of(step_dir, fqn: str) -> tuple[str, int, int]:
-    """(file, offset, length) of ``fqn``'s record at the origin (rank 0's chunk)."""
-    places = index_places(FileSystemReader(str(step_dir)).read_metadata())
-    [place] = [p for (name, offset), p in places.items() if name == fqn and not any(offset or ())]
-    return place
-
-
-def swap_records(step_dir, a: str = SWAPPED[0], b: str = SWAPPED[1]) -> None:
-    """Swap the bytes of records ``a`` and ``b`` (same file, same length) in place: each
-    keeps the CRC-32 torch.save stored in it, so the per-record check passes."""
-    (file_a, start_a, length), (file_b, start_b, length_b) = place_of(step_dir, a), place_of(step_dir, b)
-    assert file_a == file_b and length == length_b, (place_of(step_dir, a), place_of(step_dir, b))
-    with open(step_dir / file_a, "r+b") as f:
-        f.seek(start_a)
-        bytes_a = f.read(length)
-        f.seek(start_b)
-        bytes_b = f.read(length)
-        f.seek(start_a)
-        f.write(bytes_b)
-        f.seek(start_b)
-        f.write(bytes_a)
-
-
-def add_one_to_the_step(step_dir) -> None:
-    """Change the pickled step in the non-tensor record ``train_state.step`` (torch.save of
-    an int: pickle's BININT1 opcode K, the value, STOP) from N to N + 1, in place."""
-    name, start, length = place_of(step_dir, "train_state.step")
-    with open(step_dir / name, "r+b") as f:
-        f.seek(start)
-        record = f.read(length)
-        at = record.index(b"K" + bytes([LAST]) + b".")
-        f.seek(start + at + 1)
-        f.write(bytes([LAST + 1]))
-
-
 @pytest.mark.trainer
 def test_manifest_names_swapped_edited_moved_and_dropped_records(two_process_checkpoint, tmp_path):
     """Every save writes a manifest (each record's place, length and CRC-32); against it
@@ -191,8 +144,8 @@ def test_manifest_names_swapped_edited_moved_and_dropped_records(two_process_che
     meta = ckpt.read_metadata(str(step_dir))
     assert ckpt.checkpoint_problems(str(step_dir), meta) == ([], True)
 
-    swap_records(step_dir)
-    add_one_to_the_step(step_dir)
+    swap_records(step_dir, *SWAPPED)
+    edit_step(step_dir)
     assert ckpt.file_problems(str(step_dir), meta) == []  # what the per-record check sees
     problems, by_manifest = ckpt.checkpoint_problems(str(step_dir), meta)
     assert by_manifest and len(problems) == 3, problems
@@ -236,8 +189,8 @@ def test_swapped_and_edited_records_stop_the_resume_naming_them(two_process_chec
     fixture_dump, _, overrides = two_process_checkpoint
 
     def damage(step_dir):
-        swap_records(step_dir)
-        add_one_to_the_step(step_dir)
+        swap_records(step_dir, *SWAPPED)
+        edit_step(step_dir)
 
     dump = dump_with(tmp_path, fixture_dump, damage)
     out = stopped_run(*overrides, "--job.dump_folder", str(dump), "--training.steps", str(LAST + 2))

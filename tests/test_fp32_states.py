@@ -13,38 +13,18 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-from torchtitan.components.optimizer import build_optimizers
-from torchtitan.config import Optimizer as OptimizerConfig
 
 from titan_lowbit.config import LowBit
 from titan_lowbit.optim import LowBitAdamW, convert_state_dict
 from titan_lowbit.optim.formats import STATE_FORMATS
 from titan_lowbit.torchtitan.checkpoint import CheckpointMismatch, check_compatible
-from titan_lowbit.torchtitan.checkpoint_convert import FLATTENED, load_converted
+from titan_lowbit.torchtitan.checkpoint_convert import load_converted
 from titan_lowbit.torchtitan.lowbit_optimizers import FP32_ADAMW_STATE_BYTES
-from titan_lowbit.torchtitan.optimizer_builder import build_lowbit_optimizers, describe
+from titan_lowbit.torchtitan.optimizer_builder import describe
 
-VOCAB, DIM = 512, 64
+from optimizer_container_cases import DIM, Container, Tiny, build, step
+
 SELECTION = ["tok_embeddings", "output"]
-
-
-class Tiny(nn.Module):
-    """llama3's names: embeddings, a block with a norm and a linear, a final norm, the head."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleDict({"0": nn.ModuleDict({"attention_norm": nn.RMSNorm(DIM),
-                                                         "wq": nn.Linear(DIM, DIM)})})
-        self.norm = nn.RMSNorm(DIM)
-        self.output = nn.Linear(DIM, VOCAB, bias=False)
-
-
-def build(model, name="AdamW8bit", **lowbit):
-    return build_lowbit_optimizers([model], OptimizerConfig(name=name, lr=1e-2), None,
-                                   lowbit=LowBit(**lowbit), seed=0, base_builder=build_optimizers)
 
 
 def formats(container) -> dict[str, str]:
@@ -53,14 +33,6 @@ def formats(container) -> dict[str, str]:
 
     [opt] = list(container)
     return {opt._name(p): param_format(p, g)[0].name for g in opt.param_groups for p in g["params"]}
-
-
-def step(container, model, steps=2, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        for p in model.parameters():
-            p.grad = torch.randn(p.shape, generator=g)
-        container.step()
 
 
 def test_selected_parameters_get_a_group_of_fp32_states_and_the_rest_keep_the_format():
@@ -163,16 +135,6 @@ def test_convert_state_dict_refuses_a_group_fed_by_groups_of_other_hyperparamete
         convert_state_dict(source.state_dict(), to=target)
 
 
-class Container:
-    """What the checkpoint code reads of torchtitan's optimizer container."""
-
-    def __init__(self, model, optimizers):
-        self.model_parts, self.optimizers = [model], list(optimizers)
-
-    def state_dict(self):
-        return get_optimizer_state_dict(self.model_parts[0], self.optimizers[0], options=FLATTENED)
-
-
 def checkpoint(tmp_path, **lowbit):
     """A one-process DCP checkpoint of a run with ``lowbit``, two steps in; its model."""
     model = Tiny()
@@ -215,7 +177,7 @@ def test_checkpoint_of_another_selection_converts_on_request(tmp_path):
     run = Container(model, build(model, fp32_states=["output"]))
     conversion = check_compatible({"optimizer": run}, str(tmp_path), convert=True)
     assert conversion is not None
-    lines = load_converted(run, str(tmp_path), *conversion)
+    lines = load_converted(run, str(tmp_path), conversion)
     assert lines == ["fp32_states: into fp32 states ['output.weight'], out of them ['tok_embeddings.weight']: "
                      "those parameters' moments dequantized into fp32 states (exactly) or quantized out of "
                      "them into the optimizer's format"], lines

@@ -94,8 +94,10 @@ class LowBit:
     min_quantized_numel) by converting them: dequantized to fp32 and requantized into this
     run's format, master weights or remainders built from the checkpoint's master or
     weights; one log line per setting that changed. Off, such a resume stops naming the
-    settings (the states would otherwise load as garbage or not at all). Adam* against
-    AdamW* and the parameter dtype are not converted."""
+    settings (the states would otherwise load as garbage or not at all). fp32 weights
+    resume as bf16 weights with weight_update master or master_remainder (the fp32
+    weights become the masters exactly) and back; Adam* against AdamW* and any other
+    change of the weight dtype are not converted."""
     # Every bitnet_* key configures converter "bitnet": set to a value other than its
     # default without that converter, it is refused at start-up (check_bitnet_keys).
     bitnet_filter: list[str] = field(default_factory=lambda: list(BITNET_DEFAULTS["bitnet_filter"]))

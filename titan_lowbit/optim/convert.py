@@ -27,11 +27,19 @@ global one):
   either master source; elsewhere, a kahan source, the master is the weight), or as the
   compensation W - weight rounded to bf16;
 - hyperparameters (lr, initial_lr, betas, eps, weight_decay) come from the source, as a
-  load restores them; the layout options are the target's.
+  load restores them; the layout options are the target's;
+- the weight dtype changes, with ``weights`` (the weights the state dict was saved with),
+  only where no bit is lost (:func:`weight_dtype_problem`): fp32 weights into bf16
+  parameters updated through an fp32 master (``master``, ``master_remainder``), whose
+  master is the fp32 weight exactly and whose bf16 weight is its rounding to nearest
+  (ties away from zero, as the master update rounds: the remainder then rebuilds the
+  fp32 weight bit for bit); and bf16 weights with such a master into fp32 parameters,
+  which take the master exactly. The parameters of ``to`` are set to these weights.
 
 Refused, naming the parameter or group: another number of parameters, a group taking
 parameters from saved groups with other hyperparameters, ``amsgrad`` states and
-``maximize`` (their moments would need another meaning).
+``maximize`` (their moments would need another meaning), and any other change of the
+weight dtype (it would lose the fp32 weight, or have none to take).
 """
 
 from __future__ import annotations
@@ -56,6 +64,36 @@ from .group_options import SKIPPED
 
 # Group values a conversion carries over from the source (a load restores them too).
 HYPERPARAMETERS = ("lr", "initial_lr", "betas", "eps", "weight_decay")
+# The BF16 weight updates that keep the fp32 weight itself beside the bf16 one (as a
+# master weight or its remainder): the only ones a weight dtype conversion keeps exact.
+MASTER_UPDATES = ("master", "master_remainder")
+
+
+def weight_dtype_problem(saved: torch.dtype, run: torch.dtype, saved_update: Optional[str],
+                         run_update: Optional[str]) -> Optional[str]:
+    """Why weights saved in ``saved`` dtype with the BF16 weight update ``saved_update``
+    (None: torch's optimizers) cannot be converted into ``run`` dtype weights updated by
+    ``run_update``; None where they can. Two moves keep every bit, and only they are
+    done: fp32 weights into bf16 weights with an fp32 master (the master is the fp32
+    weight), and bf16 weights with one into fp32 weights (the master is the fp32 weight).
+    Any other would round the fp32 weights away or have no fp32 weight to take."""
+    if saved == run:
+        return None
+    if (saved, run) == (torch.float32, torch.bfloat16) and run_update in MASTER_UPDATES:
+        return None
+    if (saved, run) == (torch.bfloat16, torch.float32) and saved_update in MASTER_UPDATES:
+        return None
+    if run == torch.bfloat16 and saved == torch.float32:
+        why = (f"the bf16 weights would be updated by weight_update {run_update!r}, which keeps no "
+               "fp32 master to hold the fp32 weights")
+    elif saved == torch.bfloat16 and run == torch.float32:
+        why = (f"the bf16 weights were updated by weight_update {saved_update!r}, which kept no fp32 "
+               "master to become the fp32 weights")
+    else:
+        why = "a conversion moves weights between fp32 and bf16 only"
+    return (f"{why}; the weight dtype changes only between fp32 weights and bf16 weights with an "
+            f"fp32 master (weight_update {' or '.join(repr(u) for u in MASTER_UPDATES)}), which "
+            "hold the same fp32 values")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -122,9 +160,10 @@ def _source_values(name: str, p: torch.Tensor, group: dict[str, Any],
     return {"m": m, "v": v, "step": step, "master": master}
 
 
-def _lowbit_state(to, p: torch.Tensor, group: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
-    """One parameter's state in ``to``'s (a LowBitAdamW) layout for ``group``."""
-    local = _local(p).detach()
+def _lowbit_state(to, p: torch.Tensor, group: dict[str, Any], values: dict[str, Any],
+                  local: torch.Tensor) -> dict[str, Any]:
+    """One parameter's state in ``to``'s (a LowBitAdamW) layout for ``group``; ``local`` is
+    the local weight ``p`` holds with it."""
     fmt, block = param_format(p, group)
     out: dict[str, torch.Tensor] = {}
     if fmt.quantized:
@@ -161,7 +200,25 @@ def _torch_state(p: torch.Tensor, values: dict[str, Any]) -> dict[str, Any]:
             "exp_avg_sq": _like(p, values["v"].to(p.dtype))}
 
 
-def convert_state_dict(state_dict: dict[str, Any], to: torch.optim.Optimizer) -> dict[str, Any]:
+def _new_weight(name: str, p: torch.Tensor, weight: torch.Tensor, saved_group: dict[str, Any],
+                group: dict[str, Any], values: dict[str, Any]) -> torch.Tensor:
+    """The local weight of ``p`` from ``weight``, its saved weight of another dtype (see
+    :func:`weight_dtype_problem`): the saved fp32 weight becomes ``values``' master exactly
+    and the bf16 weight its rounding as the master update rounds (``bf16_away``); a saved
+    bf16 weight's master becomes the fp32 weight."""
+    problem = weight_dtype_problem(weight.dtype, p.dtype, saved_group.get("weight_update"),
+                                   group.get("weight_update") if _is_lowbit(group) else None)
+    if problem:
+        raise ValueError(f"param '{name}': weights saved in {weight.dtype}, converted into {p.dtype}: "
+                         f"{problem}. Convert into parameters of the saved dtype, or into an optimizer "
+                         "with such a master")
+    if values["master"] is None:  # fp32 weights saved: they are the master
+        values["master"] = _local(weight).detach().float().clone()
+    return bf16_away(values["master"]) if p.dtype == torch.bfloat16 else values["master"].clone()
+
+
+def convert_state_dict(state_dict: dict[str, Any], to: torch.optim.Optimizer,
+                       weights: Optional[dict[torch.Tensor, torch.Tensor]] = None) -> dict[str, Any]:
     """``state_dict`` (a LowBitAdamW's of any layout, or torch's Adam/AdamW's) as a state
     dict of optimizer ``to``'s layout for ``to``'s parameters, for ``to.load_state_dict``,
     which checks it as any other. ``to`` is a LowBitAdamW or torch's Adam/AdamW (export);
@@ -170,8 +227,14 @@ def convert_state_dict(state_dict: dict[str, Any], to: torch.optim.Optimizer) ->
     source kept none). The groups may split the parameters otherwise (e.g. another set of
     parameters in a group of fp32 states): each parameter is read in the layout of its
     saved group and written in that of its group in ``to``, and a group of ``to`` takes the
-    hyperparameters of the saved groups of its parameters, which must agree. Nothing of
-    ``to`` is changed. See the module docstring."""
+    hyperparameters of the saved groups of its parameters, which must agree.
+
+    ``weights`` ({parameter of ``to``: the weight it was saved with}) is for parameters
+    whose dtype changed since: fp32 weights now held in bf16 for a ``master`` or
+    ``master_remainder`` update, or bf16 weights with such a master now held in fp32; the
+    weights are as the state dict was saved (a DTensor placed like the parameter, for
+    one). Those parameters are set to their converted weights (all checks done first);
+    nothing else of ``to`` is changed. See the module docstring."""
     if not (isinstance(state_dict, dict) and "state" in state_dict and "param_groups" in state_dict):
         raise ValueError("convert_state_dict needs an optimizer state dict with 'state' and 'param_groups'")
     saved, groups = state_dict["param_groups"], to.param_groups
@@ -189,6 +252,17 @@ def convert_state_dict(state_dict: dict[str, Any], to: torch.optim.Optimizer) ->
             if g.get("maximize", False):
                 raise ValueError(f"param group {gi} of the {where} has maximize=True: its first moments "
                                  "are stored with another sign convention; convert without maximize")
+    weights = dict(weights or {})
+    ours = {p for g in groups for p in g["params"]}
+    for p, w in weights.items():
+        if p not in ours:
+            raise ValueError(f"weights: a tensor of shape {tuple(p.shape)} is not a parameter of the "
+                             "optimizer to convert into; key weights by its parameters")
+        if tuple(w.shape) != tuple(p.shape) or w.dtype == p.dtype:
+            raise ValueError(f"weights: the saved weight of the parameter of shape {tuple(p.shape)} is "
+                             f"{w.dtype} of shape {tuple(w.shape)}; give saved weights of the "
+                             f"parameter's shape, for parameters whose dtype ({p.dtype}) changed only")
+    new_weights: dict[torch.Tensor, torch.Tensor] = {}
     # every saved parameter's (key, saved group index), in the order of the groups
     sources = iter([(key, si) for si, g in enumerate(saved) for key in g["params"]])
     own_groups = to.state_dict()["param_groups"]
@@ -202,8 +276,12 @@ def convert_state_dict(state_dict: dict[str, Any], to: torch.optim.Optimizer) ->
             taken.append(si)
             name = names[pi] if pi < len(names) else getattr(to, "_names", {}).get(
                 p, f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})")
-            values = _source_values(name, p, saved[si], state_dict["state"].get(key) or {})
-            state[own_key] = (_lowbit_state(to, p, group, values) if lowbit_target
+            source = weights.get(p, p)  # the weights the saved state goes with
+            values = _source_values(name, source, saved[si], state_dict["state"].get(key) or {})
+            local = _local(p).detach()
+            if p in weights:
+                local = new_weights[p] = _new_weight(name, p, source, saved[si], group, values)
+            state[own_key] = (_lowbit_state(to, p, group, values, local) if lowbit_target
                               else _torch_state(p, values))
         carried = [{k: saved[si][k] for k in HYPERPARAMETERS if k in saved[si]}
                    | ({SKIPPED: saved[si].get(SKIPPED, 0)} if lowbit_target and _is_lowbit(saved[si]) else {})
@@ -213,4 +291,7 @@ def convert_state_dict(state_dict: dict[str, Any], to: torch.optim.Optimizer) ->
                              f"saved groups {list(dict.fromkeys(taken))} with other hyperparameters "
                              f"({carried}): group the parameters as the state dict did")
         out_groups.append({**own, **(carried[0] if carried else {})})
+    with torch.no_grad():
+        for p, local in new_weights.items():
+            _local(p).copy_(local)
     return {"state": state, "param_groups": out_groups}

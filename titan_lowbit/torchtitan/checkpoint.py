@@ -34,7 +34,9 @@ Loading. Before torchtitan's ``CheckpointManager.dcp_load`` reads anything:
   :class:`CheckpointMismatch` naming the setting to change; they never advise moving or
   deleting the checkpoint, which is fine for the configuration that wrote it. With
   ``[lowbit] convert_optimizer_states = true`` another optimizer layout is converted
-  instead (:mod:`titan_lowbit.torchtitan.checkpoint_convert`), one log line per change;
+  instead (:mod:`titan_lowbit.torchtitan.checkpoint_convert`), one log line per change,
+  and so are fp32 weights into bf16 weights with an fp32 master and back (no other dtype
+  change: ``titan_lowbit.optim.convert.weight_dtype_problem``);
 - an error from DCP's own load (after the checks above passed) is re-raised with the step
   folder: as a :class:`CheckpointMismatch` naming the setting where it is recognized (the
   data loader's dp degree, LowBitAdamW's own load checks, model shapes or names), else as
@@ -80,14 +82,17 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titan_lowbit.bitnet.weight import local_training_weight
 from titan_lowbit.kernels.private_apis import patch, private_api_ok
+from titan_lowbit.optim.convert import weight_dtype_problem
 from titan_lowbit.optim.formats import STATE_FORMATS, block_of
 from titan_lowbit.torchtitan.checkpoint_convert import (
     ANY_GROUP_KEY,
     GROUP_ENTRY,
+    Conversion,
     FittedLRSchedulers,
     conversion_requested,
     fp32_selection,
     load_converted,
+    saved_dtype_weights,
 )
 from titan_lowbit.torchtitan.checkpoint_manifest import (
     MANIFEST,
@@ -353,8 +358,11 @@ def check_compatible(state_dict: dict[str, Any], checkpoint_id: str, metadata=No
     dtypes, another data-parallel degree, states the run loads and it lacks, or (a resume,
     with ``model_parts`` given) another BitNet conversion of the model. With ``convert``
     (``[lowbit] convert_optimizer_states``) another optimizer layout is no problem but a
-    conversion: returned as (the checkpoint's layout, the run's); None when there is none."""
+    conversion, and so are weights whose dtype changes without a bit lost (fp32 weights
+    into bf16 weights with an fp32 master, and back; ``convert.weight_dtype_problem``):
+    returned as a :class:`Conversion`; None when there is none."""
     converted = None
+    have = saved = None
     if metadata is None:
         metadata = FileSystemReader(checkpoint_id).read_metadata()
     keys = metadata.state_dict_metadata
@@ -379,20 +387,18 @@ def check_compatible(state_dict: dict[str, Any], checkpoint_id: str, metadata=No
         differ = [f for f in have if f in saved and _acting(have[f]) != _acting(saved[f])]
         if differ:
             if convert and all(_convertible(saved[f], have[f]) for f in differ):
-                converted = ({f: _acting(lay) for f, lay in saved.items()},
-                             {f: _acting(lay) for f, lay in have.items()})
+                converted = _conversion(saved, have, {})
             else:
                 problems.append(_layout_problem(saved, have, differ, convert))
-    for key, value in state_dict.items():
-        saved_meta = keys.get(key)
-        if isinstance(value, torch.Tensor) and isinstance(saved_meta, TensorStorageMetadata):
-            if saved_meta.properties.dtype != value.dtype:
-                problems.append(
-                    f"parameter {key}: checkpoint holds {saved_meta.properties.dtype}, this run "
-                    f"{value.dtype}. Set [lowbit] weight_dtype (and [training] dtype) as when "
-                    "the checkpoint was written."
-                )
-                break  # one parameter says it; the rest would repeat it
+    recast = {key: (keys[key].properties.dtype, value.dtype) for key, value in state_dict.items()
+              if isinstance(value, torch.Tensor) and isinstance(keys.get(key), TensorStorageMetadata)
+              and keys[key].properties.dtype != value.dtype}
+    if recast:
+        problem = _weight_dtype_problem(recast, saved, have, convert)
+        if problem:
+            problems.append(problem)
+        elif not problems:
+            converted = _conversion(saved, have, {key: was for key, (was, _) in recast.items()})
     if optimizers is not None and not problems and converted is None:  # converted: its own keys
         wanted = {f"optimizer.{key}" for key in run_entries}
         missing = sorted(wanted - set(keys))
@@ -412,6 +418,43 @@ def check_compatible(state_dict: dict[str, Any], checkpoint_id: str, metadata=No
             f"checkpoint {checkpoint_id} does not match this run:\n  " + "\n  ".join(problems)
         )
     return converted
+
+
+def _conversion(saved, have, weight_dtypes) -> Conversion:
+    return Conversion({f: _acting(lay) for f, lay in saved.items()},
+                      {f: _acting(lay) for f, lay in have.items()}, weight_dtypes)
+
+
+def _weight_dtype_problem(recast: dict[str, tuple], saved, have, convert: bool) -> str | None:
+    """Why the weights ``recast`` ({key: (the checkpoint's dtype, the run's)}) cannot
+    resume in the run's dtype (None where ``[lowbit] convert_optimizer_states`` converts
+    them: ``saved`` and ``have`` are the checkpoint's and run's optimizer layouts, None
+    when the optimizer is not loaded)."""
+    key, (was, now) = next(iter(recast.items()))
+    why = None
+    if convert and have is not None:
+        for key, (was, now) in recast.items():
+            if key not in have:
+                why = (f"param '{key}' is not trained by this run's optimizer, so no conversion can "
+                       "change its dtype")
+            else:
+                why = weight_dtype_problem(was, now, saved.get(key, {}).get("weight_update"),
+                                           have[key].get("weight_update"))
+            if why:
+                break
+        if why is None:
+            return None
+    elif convert:
+        why = ("the optimizer is not loaded ([checkpoint] exclude_from_loading), and only a conversion of "
+               "its states changes the weight dtype")
+    text = (f"parameter {key}: checkpoint holds {was}, this run {now}"
+            + (f" ({len(recast) - 1} more)" if len(recast) > 1 else "") + ". ")
+    advice = ("Set [lowbit] weight_dtype (and [training] dtype) as when the checkpoint was written"
+              + ("." if convert else
+                 "; fp32 weights move into bf16 weights with weight_update \"master\" or "
+                 "\"master_remainder\" (and back) with [lowbit] convert_optimizer_states = true "
+                 "(--lowbit.convert_optimizer_states), the fp32 weights kept exactly as the master."))
+    return text + (f"{why}. " if why else "") + advice
 
 
 def _root_causes(err: BaseException) -> list[tuple[BaseException, list]]:
@@ -835,10 +878,12 @@ def register() -> None:
             if conversion is None:
                 result = original_load(self, state_dict, checkpoint_id, from_hf, from_quantized)
             else:
-                # The model first: the conversion builds master weights from the loaded weights.
-                rest = {k: v for k, v in state_dict.items() if k != OPTIMIZER}
+                # The model first: the conversion builds master weights from the loaded weights,
+                # and takes those whose dtype changes from copies in the checkpoint's dtype.
+                weights = saved_dtype_weights(state_dict, conversion)
+                rest = {k: weights.get(k, v) for k, v in state_dict.items() if k != OPTIMIZER}
                 result = original_load(self, rest, checkpoint_id, from_hf, from_quantized)
-                for line in load_converted(state_dict[OPTIMIZER], checkpoint_id, *conversion):
+                for line in load_converted(state_dict[OPTIMIZER], checkpoint_id, conversion, weights):
                     logger.info(f"titan_lowbit: checkpoint {checkpoint_id}: optimizer states converted "
                                 f"([lowbit] convert_optimizer_states): {line}")
             return result

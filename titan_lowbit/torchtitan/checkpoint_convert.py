@@ -12,15 +12,25 @@ then converted into the run's optimizer by ``titan_lowbit.optim.convert_state_di
 ``load_state_dict``, which checks it as any other state dict. The model is loaded first,
 so a master weight or remainder that the checkpoint lacks is built from the loaded
 weights. For the time of the conversion the source states take memory beside the run's.
+
+The weight dtype changes where no bit is lost (``convert.weight_dtype_problem``): fp32
+weights into bf16 ones with an fp32 master, and back. Those weights are loaded in the
+checkpoint's dtype (:func:`saved_dtype_weights`), and the source optimizer is built over
+them, swapped into the model for its load (DCP names an optimizer's states by the
+model's parameters), since a source's states depend on its weights' dtype (torch's
+moments in the parameter dtype, a master beside bf16 weights only); the conversion then
+sets the run's weights from them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
-from typing import Any
+from typing import Any, NamedTuple, Optional
 
 import torch
+from torch import nn
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -49,6 +59,16 @@ EFFECT = {
     "weight_update": "fp32 master weights (or their remainders, or the Kahan compensation) from the "
                      "checkpoint's master weights where it kept them, else from its bf16 weights",
 }
+
+
+class Conversion(NamedTuple):
+    """What a resume converts: the checkpoint's and the run's per-parameter optimizer
+    layouts (``checkpoint.layouts``, block sizes resolved), and {model state key: the
+    checkpoint's dtype} of the weights whose dtype changes."""
+
+    saved: dict[str, dict[str, Any]]
+    have: dict[str, dict[str, Any]]
+    weight_dtypes: dict[str, torch.dtype]
 
 
 def conversion_requested(manager) -> bool:
@@ -109,13 +129,20 @@ def _param_fqns(model, optimizer) -> dict[torch.Tensor, str]:
 
 
 def source_optimizer(run_optimizer, layout_of: dict[torch.Tensor, dict[str, Any]],
-                     names: dict[torch.Tensor, str]):
+                     names: dict[torch.Tensor, str],
+                     saved_weights: Optional[dict[torch.Tensor, torch.Tensor]] = None):
     """An optimizer of the checkpoint's layouts over the parameters of ``run_optimizer``,
     in its order, to load the states into: ``layout_of[p]`` is parameter ``p``'s layout in
-    the checkpoint (``checkpoint.layouts``). Each run group is split where the saved
+    the checkpoint (``checkpoint.layouts``); ``saved_weights[p]``, where given, stands for
+    ``p`` (its weight in the checkpoint's dtype). Each run group is split where the saved
     layout changes (``[lowbit] fp32_states`` selected other parameters), so that every
     group of the source has one layout, as the checkpoint's groups had."""
     hyper = ("lr", "betas", "eps", "weight_decay")
+    saved_weights = saved_weights or {}
+
+    def own(p):
+        return saved_weights.get(p, p)
+
     params = [p for g in run_optimizer.param_groups for p in g["params"]]
     kinds = {layout_of[p]["optimizer"] for p in params}
     if len(kinds) > 1:
@@ -126,13 +153,13 @@ def source_optimizer(run_optimizer, layout_of: dict[torch.Tensor, dict[str, Any]
     if decoupled is None:
         decoupled = run_optimizer.param_groups[0].get("decoupled_weight_decay", True)
     if first["optimizer"] != "titan_lowbit":
-        groups = [{"params": list(g["params"]), **{k: g[k] for k in hyper}}
+        groups = [{"params": [own(p) for p in g["params"]], **{k: g[k] for k in hyper}}
                   for g in run_optimizer.param_groups]
         return (torch.optim.AdamW if decoupled else torch.optim.Adam)(groups)
     from titan_lowbit.optim import LowBitAdamW
     from titan_lowbit.optim.group_options import CONVERTIBLE_OPTIONS
 
-    groups = [{"params": [(names[p], p) for p in run], **{k: g[k] for k in hyper},
+    groups = [{"params": [(names[p], own(p)) for p in run], **{k: g[k] for k in hyper},
                **{k: layout[k] for k in CONVERTIBLE_OPTIONS}}
               for g in run_optimizer.param_groups
               for layout, run in ((dict(key), list(ps)) for key, ps in
@@ -140,12 +167,14 @@ def source_optimizer(run_optimizer, layout_of: dict[torch.Tensor, dict[str, Any]
     return LowBitAdamW(groups, decoupled_weight_decay=decoupled, seed=getattr(run_optimizer, "seed", 0))
 
 
-def describe_changes(saved: dict[str, dict[str, Any]], have: dict[str, dict[str, Any]]) -> list[str]:
-    """One line per setting in which the checkpoint's per-parameter layouts ``saved``
-    differ from the run's ``have`` (both as ``checkpoint.layouts`` gives them, block sizes
-    resolved): the optimizer's own layout, then the parameters that ``[lowbit]
-    fp32_states`` moved into or out of fp32 states; between torch's and titan_lowbit's
-    optimizers one line with the new settings."""
+def describe_changes(conversion: Conversion, run_dtypes: dict[str, torch.dtype]) -> list[str]:
+    """One line per setting in which the checkpoint's per-parameter layouts
+    ``conversion.saved`` differ from the run's ``conversion.have``: the optimizer's own
+    layout, then the parameters that ``[lowbit] fp32_states`` moved into or out of fp32
+    states (between torch's and titan_lowbit's optimizers one line with the new
+    settings); then one per weight dtype change (``run_dtypes``: the run's dtype of the
+    weights in ``conversion.weight_dtypes``)."""
+    saved, have = conversion.saved, conversion.have
     (own_saved, fp32_saved), (own_have, fp32_have) = fp32_selection(saved), fp32_selection(have)
     if own_saved["optimizer"] != own_have["optimizer"]:
         settings = ", ".join(f"{k}={v!r}" for k, v in (own_have if own_have["optimizer"] == "titan_lowbit"
@@ -159,6 +188,14 @@ def describe_changes(saved: dict[str, dict[str, Any]], have: dict[str, dict[str,
     if into or out:
         lines.append(f"fp32_states: into fp32 states {into or 'none'}, out of them {out or 'none'}: "
                      f"{EFFECT['fp32_states']}")
+    moves: dict[tuple, list[str]] = {}
+    for key, dtype in conversion.weight_dtypes.items():
+        moves.setdefault((dtype, run_dtypes[key]), []).append(key)
+    for (was, now), keys in moves.items():
+        effect = ("the fp32 weights kept exactly as master weights, the bf16 weights their rounding to "
+                  "nearest" if now == torch.bfloat16 else "the fp32 weights are the checkpoint's master "
+                  "weights, exactly")
+        lines.append(f"weight dtype {was} -> {now} ({len(keys)} parameters): {effect}")
     return lines
 
 
@@ -204,13 +241,42 @@ class FittedLRSchedulers(Stateful):
                 fitted_scheduler_state(copy.deepcopy(state_dict), len(scheduler.optimizer.param_groups)))
 
 
-def load_converted(container, checkpoint_id: str, saved: dict[str, dict[str, Any]],
-                   have: dict[str, dict[str, Any]]) -> list[str]:
-    """Load the optimizer states of ``checkpoint_id`` (per-parameter layouts ``saved``)
-    into the run's optimizers in ``container`` (``have``), converted; return the log lines
-    naming each change. Every rank calls it (DCP's load and the optimizers' load checks
-    are collective)."""
+def saved_dtype_weights(state_dict: dict[str, Any], conversion: Conversion) -> dict[str, torch.Tensor]:
+    """{key: a copy of the run's weight ``state_dict[key]`` in the checkpoint's dtype} for
+    the weights whose dtype the conversion changes (a DTensor placed like the weight), for
+    DCP to load the checkpoint's weights into exactly, and :func:`load_converted` to take
+    them from."""
+    return {key: state_dict[key].detach().to(dtype) for key, dtype in conversion.weight_dtypes.items()}
+
+
+@contextlib.contextmanager
+def _swapped(model: nn.Module, replace: dict[torch.Tensor, torch.Tensor]):
+    """``model`` with each parameter ``p`` in ``replace`` registered as ``replace[p]``
+    in its place, put back on leaving."""
+    places = [(module, name, p) for module in model.modules()
+              for name, p in module.named_parameters(recurse=False) if p in replace]
+    try:
+        for module, name, p in places:
+            module.register_parameter(name, replace[p])
+        yield
+    finally:
+        for module, name, p in places:
+            module.register_parameter(name, p)
+
+
+def load_converted(container, checkpoint_id: str, conversion: Conversion,
+                   weights: Optional[dict[str, torch.Tensor]] = None) -> list[str]:
+    """Load the optimizer states of ``checkpoint_id`` into the run's optimizers in
+    ``container``, converted as ``conversion`` says; ``weights`` are the checkpoint's
+    weights whose dtype changes (:func:`saved_dtype_weights`, loaded), from which the
+    run's weights are set. Return the log lines naming each change. Every rank calls it
+    (DCP's load and the optimizers' load checks are collective)."""
     from titan_lowbit.optim import convert_state_dict
+
+    saved, weights = conversion.saved, weights or {}
+    if set(weights) != set(conversion.weight_dtypes):
+        raise ValueError(f"load_converted: weights for {sorted(weights)}, the conversion changes the dtype "
+                         f"of {sorted(conversion.weight_dtypes)}")
 
     model_parts, optimizers = container.model_parts, list(container.optimizers)
     if len(optimizers) != len(model_parts):
@@ -222,22 +288,34 @@ def load_converted(container, checkpoint_id: str, saved: dict[str, dict[str, Any
             "--checkpoint.exclude_from_loading optimizer")
     names = {p: n for model in model_parts for n, p in model.named_parameters()}
     distinct = {_frozen(layout) for layout in saved.values()}
-    sources = []
+    sources, replaced, run_dtypes = [], [], {}
     for model, opt in zip(model_parts, optimizers):
+        fqns = _param_fqns(model, opt) if len(distinct) > 1 or weights else {}
         if len(distinct) == 1:  # one layout for every parameter: no need to tell them apart
             layout_of = {p: dict(next(iter(distinct))) for g in opt.param_groups for p in g["params"]}
         else:
             layout_of = {}
-            for p, fqn in _param_fqns(model, opt).items():
+            for p, fqn in fqns.items():
                 if fqn not in saved:
                     raise ValueError(
                         f"[lowbit] convert_optimizer_states: param '{fqn}' has no optimizer entries in "
                         f"{checkpoint_id}: the checkpoint is incomplete or from another model")
                 layout_of[p] = saved[fqn]
-        sources.append(source_optimizer(opt, layout_of, names))
-    dcp.load({"optimizer": _SavedStates(model_parts, sources)}, checkpoint_id=checkpoint_id)
-    for source, optimizer in zip(sources, optimizers):
-        optimizer.load_state_dict(convert_state_dict(source.state_dict(), to=optimizer))
+        replaced.append({p: nn.Parameter(weights[fqn], requires_grad=p.requires_grad)
+                         for p, fqn in fqns.items() if fqn in weights})
+        run_dtypes.update({fqn: p.dtype for p, fqn in fqns.items() if fqn in weights})
+        sources.append(source_optimizer(opt, layout_of, names, replaced[-1]))
+    untrained = sorted(set(weights) - set(run_dtypes))
+    if untrained:
+        raise ValueError(f"[lowbit] convert_optimizer_states: the weights {untrained[:4]} change dtype but "
+                         "no optimizer of this run trains them; resume with the weight dtype the "
+                         "checkpoint was written with")
+    with contextlib.ExitStack() as stack:
+        for model, replace in zip(model_parts, replaced):
+            stack.enter_context(_swapped(model, replace))
+        dcp.load({"optimizer": _SavedStates(model_parts, sources)}, checkpoint_id=checkpoint_id)
+    for source, optimizer, replace in zip(sources, optimizers, replaced):
+        optimizer.load_state_dict(convert_state_dict(source.state_dict(), to=optimizer, weights=replace))
         if is_lowbit(optimizer):
             optimizer.skipped_steps = source.skipped_steps if is_lowbit(source) else 0
-    return describe_changes(saved, have)
+    return describe_changes(conversion, run_dtypes)
