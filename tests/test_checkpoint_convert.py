@@ -18,7 +18,7 @@ from conftest import SAVE_STEP, resume_folder, run_train, step_losses, stopped_r
 from optimizer_container_cases import Container, Tiny, build, step
 from titan_lowbit.kernels.adamw_lowbit_ref import bf16_away, master_rebuild
 from titan_lowbit.optim import LowBitAdamW, convert_state_dict
-from titan_lowbit.torchtitan.checkpoint import CheckpointMismatch, check_compatible
+from titan_lowbit.torchtitan.checkpoint_layout import CheckpointMismatch, check_compatible
 from titan_lowbit.torchtitan.checkpoint_convert import load_converted, saved_dtype_weights
 from titan_lowbit.torchtitan.train_spec import cast_parameters
 

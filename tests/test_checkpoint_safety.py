@@ -30,10 +30,11 @@ from types import SimpleNamespace
 
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
 from checkpoint_faults import edit_step, flip_bit, swap_records  # tools/checkpoint_faults.py
 from conftest import SAVE_STEP, resume_folder, run_on_gloo, run_train, step_losses, stopped_run
-from titan_lowbit.torchtitan import checkpoint as ckpt
+from titan_lowbit.torchtitan import checkpoint_errors, checkpoint_layout, checkpoint_save, checkpoint_verify
 from titan_lowbit.torchtitan.checkpoint_manifest import MANIFEST, write_manifest
 
 LAST = SAVE_STEP + 2  # the fixture run saved at SAVE_STEP and at its last step, LAST
@@ -78,7 +79,7 @@ def test_interrupted_save_is_skipped_and_resume_continues_identically(two_proces
     # The run's own last-step save replaced the incomplete folder with a complete one,
     # its manifest written with it.
     step_dir = dump / "checkpoint" / f"step-{LAST}"
-    assert ckpt.checkpoint_problems(str(step_dir), ckpt.read_metadata(str(step_dir))) == ([], True)
+    assert checkpoint_verify.checkpoint_problems(str(step_dir), checkpoint_verify.read_metadata(str(step_dir))) == ([], True)
     assert sorted(os.listdir(dump / "checkpoint")) == [f"step-{SAVE_STEP}", f"step-{LAST}"]
 
 
@@ -105,27 +106,27 @@ def test_truncated_missing_and_unreadable_files_are_named(two_process_checkpoint
     fixture_dump, _, _ = two_process_checkpoint
     step_dir = tmp_path / f"step-{SAVE_STEP}"
     shutil.copytree(fixture_dump / "checkpoint" / f"step-{SAVE_STEP}", step_dir)
-    meta = ckpt.read_metadata(str(step_dir))
-    assert ckpt.file_problems(str(step_dir), meta) == []
+    meta = checkpoint_verify.read_metadata(str(step_dir))
+    assert checkpoint_verify.file_problems(str(step_dir), meta) == []
 
     [fqn] = flip_bit(step_dir)
-    [problem] = ckpt.file_problems(str(step_dir), meta)
+    [problem] = checkpoint_verify.file_problems(str(step_dir), meta)
     assert problem.startswith(f"__0_0.distcp: {fqn} (bytes ") and "Bad CRC-32" in problem
     # Split between 2 ranks: file 0 is rank 0's to read; sizes are checked by every rank.
-    assert ckpt.file_problems(str(step_dir), meta, rank=1, world=2) == []
-    assert ckpt.file_problems(str(step_dir), meta, crc=False) == []
+    assert checkpoint_verify.file_problems(str(step_dir), meta, rank=1, world=2) == []
+    assert checkpoint_verify.file_problems(str(step_dir), meta, crc=False) == []
 
     size = (step_dir / "__1_0.distcp").stat().st_size
     os.truncate(step_dir / "__1_0.distcp", size - 100)
     (step_dir / "__0_0.distcp").unlink()
-    assert ckpt.file_problems(str(step_dir), meta, crc=False) == [
+    assert checkpoint_verify.file_problems(str(step_dir), meta, crc=False) == [
         "__0_0.distcp is missing",
         f"__1_0.distcp is truncated: {size - 100} bytes, the index needs {size}",
     ]
 
     (step_dir / ".metadata").write_bytes(b"not a pickle")
-    with pytest.raises(ckpt.CheckpointDamaged, match=r"\.metadata cannot be read") as err:
-        ckpt.read_metadata(str(step_dir))
+    with pytest.raises(checkpoint_verify.CheckpointDamaged, match=r"\.metadata cannot be read") as err:
+        checkpoint_verify.read_metadata(str(step_dir))
     assert "no other complete checkpoint" in str(err.value)
 
 
@@ -141,13 +142,13 @@ def test_manifest_names_swapped_edited_moved_and_dropped_records(two_process_che
     fixture_dump, _, _ = two_process_checkpoint
     step_dir = tmp_path / f"step-{LAST}"
     shutil.copytree(fixture_dump / "checkpoint" / f"step-{LAST}", step_dir)
-    meta = ckpt.read_metadata(str(step_dir))
-    assert ckpt.checkpoint_problems(str(step_dir), meta) == ([], True)
+    meta = checkpoint_verify.read_metadata(str(step_dir))
+    assert checkpoint_verify.checkpoint_problems(str(step_dir), meta) == ([], True)
 
     swap_records(step_dir, *SWAPPED)
     edit_step(step_dir)
-    assert ckpt.file_problems(str(step_dir), meta) == []  # what the per-record check sees
-    problems, by_manifest = ckpt.checkpoint_problems(str(step_dir), meta)
+    assert checkpoint_verify.file_problems(str(step_dir), meta) == []  # what the per-record check sees
+    problems, by_manifest = checkpoint_verify.checkpoint_problems(str(step_dir), meta)
     assert by_manifest and len(problems) == 3, problems
     named = {problem.split(" (", 1)[0]: problem for problem in problems}
     for name, other in (SWAPPED, SWAPPED[::-1]):
@@ -157,8 +158,8 @@ def test_manifest_names_swapped_edited_moved_and_dropped_records(two_process_che
     assert named["train_state.step"].startswith("train_state.step (__0_0.distcp bytes 0-"), named
     assert "does not match the CRC-32 written with the checkpoint" in named["train_state.step"]
     # TITAN_LOWBIT_VERIFY_CHECKPOINT=size reads no data; rank 1 of 2 reads __1_0.distcp only.
-    assert ckpt.checkpoint_problems(str(step_dir), meta, crc=False) == ([], True)
-    assert ckpt.checkpoint_problems(str(step_dir), meta, rank=1, world=2) == ([], True)
+    assert checkpoint_verify.checkpoint_problems(str(step_dir), meta, crc=False) == ([], True)
+    assert checkpoint_verify.checkpoint_problems(str(step_dir), meta, rank=1, world=2) == ([], True)
 
     # An index that places a record elsewhere, or drops records, differs from .metadata's
     # CRC-32 in the manifest; the records are named.
@@ -172,7 +173,7 @@ def test_manifest_names_swapped_edited_moved_and_dropped_records(two_process_che
                            if not k.fqn.startswith("lr_scheduler.")}
     with open(step_dir / ".metadata", "wb") as f:
         pickle.dump(edited, f)
-    problems, _ = ckpt.checkpoint_problems(str(step_dir), edited)
+    problems, _ = checkpoint_verify.checkpoint_problems(str(step_dir), edited)
     assert problems[0].startswith(f"{SWAPPED[0]}: the .metadata index places it at __0_0.distcp "
                                   "bytes "), problems
     assert problems[1].startswith(f"{SWAPPED[1]}: the .metadata index places it at"), problems
@@ -180,7 +181,7 @@ def test_manifest_names_swapped_edited_moved_and_dropped_records(two_process_che
         "lr_scheduler." in problems[2], problems
 
     (step_dir / MANIFEST).write_text('{"titan_lowbit_manifest": 1, "records": [')
-    problems, _ = ckpt.checkpoint_problems(str(step_dir), edited)
+    problems, _ = checkpoint_verify.checkpoint_problems(str(step_dir), edited)
     assert problems[0].startswith(f"{MANIFEST} cannot be read: JSONDecodeError("), problems
 
 
@@ -221,8 +222,8 @@ def test_new_step_folder_replaces_the_old_only_once_complete(tmp_path):
                 f.write("new")
         return "saved"
 
-    with pytest.raises(ckpt.CheckpointNotSaved, match="No space left on device") as err:
-        ckpt.save_atomically(failing_save, str(old))
+    with pytest.raises(checkpoint_save.CheckpointNotSaved, match="No space left on device") as err:
+        checkpoint_save.save_atomically(failing_save, str(old))
     assert sorted(os.listdir(old)) == [".metadata"]
     assert (old / ".metadata").read_text() == "old checkpoint index"
     assert sorted(os.listdir(folder)) == ["step-8"]  # .saving-8 removed
@@ -238,13 +239,13 @@ def test_new_step_folder_replaces_the_old_only_once_complete(tmp_path):
 
     def dcp_failing_save(target):
         os.makedirs(target, exist_ok=True)
-        raise ckpt.CheckpointException("save failed", {1: (short, traceback.StackSummary())})
+        raise CheckpointException("save failed", {1: (short, traceback.StackSummary())})
 
-    with pytest.raises(ckpt.CheckpointNotSaved, match="unexpected pos 704 vs 598") as err:
-        ckpt.save_atomically(dcp_failing_save, str(old))
+    with pytest.raises(checkpoint_save.CheckpointNotSaved, match="unexpected pos 704 vs 598") as err:
+        checkpoint_save.save_atomically(dcp_failing_save, str(old))
     assert "If the file system is full or its quota reached: free space" in str(err.value)
     assert sorted(os.listdir(folder)) == ["step-8"]
-    other_rank = ckpt.save_failure(old, folder / ".saving-8", short, remove=False)
+    other_rank = checkpoint_save.save_failure(old, folder / ".saving-8", short, remove=False)
     assert str(other_rank).endswith(f"Rank 0 removes the partial folder {folder / '.saving-8'} "
                                     "and reports the free space on that file system.")
     # torchtitan resumes from the complete checkpoint.
@@ -252,9 +253,9 @@ def test_new_step_folder_replaces_the_old_only_once_complete(tmp_path):
     from torchtitan.components.checkpoint import CheckpointManager
 
     assert CheckpointManager._find_load_step(manager) == 8
-    assert ckpt.complete_steps(str(folder)) == [8]
+    assert checkpoint_verify.complete_steps(str(folder)) == [8]
 
-    assert ckpt.save_atomically(save, str(old)) == "saved"
+    assert checkpoint_save.save_atomically(save, str(old)) == "saved"
     assert sorted(os.listdir(folder)) == ["step-8"]
     assert (old / ".metadata").read_text() == "new" and (old / "__0_0.distcp").read_text() == "new"
 
@@ -281,9 +282,9 @@ def _save_on_a_full_tmpfs(folder: str, rank: int) -> dict:
     def saver(state):
         return lambda target: dcp.save(state, checkpoint_id=target)
 
-    ckpt.save_atomically(saver({"w": torch.ones(256, 1024)}), os.path.join(folder, "step-1"))
+    checkpoint_save.save_atomically(saver({"w": torch.ones(256, 1024)}), os.path.join(folder, "step-1"))
     try:
-        ckpt.save_atomically(saver({"w": torch.ones(256, 1024), "m": torch.ones(1024, 1024)}),
+        checkpoint_save.save_atomically(saver({"w": torch.ones(256, 1024), "m": torch.ones(1024, 1024)}),
                              os.path.join(folder, "step-2"))
         out = {"raised": None}
     except BaseException as err:  # noqa: BLE001  (what it is, is the result)
@@ -400,7 +401,7 @@ def test_resume_with_bitnet_added_names_the_converters_and_a_new_run_may_start_f
     with ``bitnet`` (a model-only initial load) trains."""
     dump, _, overrides = two_process_checkpoint  # written without converters
     step_dir = dump / "checkpoint" / f"step-{SAVE_STEP}"
-    assert ckpt.BITNET_WEIGHTS in FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    assert checkpoint_layout.BITNET_WEIGHTS in FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
     resumed = resume_folder(tmp_path, dump / "checkpoint")
     out = stopped_run(*overrides, "--job.dump_folder", str(resumed), "--model.converters", "bitnet",
                       "--training.steps", str(SAVE_STEP + 1))
@@ -419,7 +420,7 @@ def test_resume_with_bitnet_added_names_the_converters_and_a_new_run_may_start_f
 def drop_conversion_record(step_dir) -> None:
     """Make ``step_dir`` what titan_lowbit wrote before it recorded the conversion (and
     before it wrote manifests)."""
-    keep_entries(step_dir, lambda k: not k.startswith(ckpt.RECORD + "."), manifest=False)
+    keep_entries(step_dir, lambda k: not k.startswith(checkpoint_layout.RECORD + "."), manifest=False)
 
 
 @pytest.mark.trainer
@@ -457,26 +458,26 @@ def test_load_errors_after_the_checks_are_not_called_damage(tmp_path):
     # LowBitAdamW's own load check (an Adam* optimizer given an AdamW* state dict).
     saved = LowBitAdamW([torch.nn.Parameter(torch.zeros(8))]).state_dict()
     adam = LowBitAdamW([torch.nn.Parameter(torch.zeros(8))], decoupled_weight_decay=False)
-    err = ckpt.load_failure(checkpoint_id, raised(lambda: adam.load_state_dict(saved)))
-    assert isinstance(err, ckpt.CheckpointMismatch), err
+    err = checkpoint_errors.load_failure(checkpoint_id, raised(lambda: adam.load_state_dict(saved)))
+    assert isinstance(err, checkpoint_layout.CheckpointMismatch), err
     assert "[optimizer] name" in str(err) and "AdamW*" in str(err), err
 
     # torchtitan's data loader assertion, also as DCP wraps a rank's error.
     dp = AssertionError("dp_degree is inconsistent before and after checkpoint, dataloader "
                         "resharding is not supported yet.")
-    wrapped = ckpt.CheckpointException("load failed", {1: (dp, traceback.StackSummary())})
+    wrapped = CheckpointException("load failed", {1: (dp, traceback.StackSummary())})
     for failure in (dp, wrapped):
-        err = ckpt.load_failure(checkpoint_id, failure)
-        assert isinstance(err, ckpt.CheckpointMismatch), err
+        err = checkpoint_errors.load_failure(checkpoint_id, failure)
+        assert isinstance(err, checkpoint_layout.CheckpointMismatch), err
         assert "--checkpoint.exclude_from_loading dataloader" in str(err), err
 
     # Anything else: the files passed the checks, so no damage is claimed and the other
     # checkpoint is offered by --checkpoint.load_step.
-    err = ckpt.load_failure(checkpoint_id, RuntimeError("something else"))
-    assert isinstance(err, ckpt.CheckpointNotLoaded), err
+    err = checkpoint_errors.load_failure(checkpoint_id, RuntimeError("something else"))
+    assert isinstance(err, checkpoint_errors.CheckpointNotLoaded), err
     assert "something else" in str(err) and "--checkpoint.load_step N (steps [2]" in str(err)
-    err_size = ckpt.load_failure(checkpoint_id, RuntimeError("something else"), crc=False)
-    assert f"{ckpt.VERIFY_ENV}=size" in str(err_size), err_size
+    err_size = checkpoint_errors.load_failure(checkpoint_id, RuntimeError("something else"), crc=False)
+    assert f"{checkpoint_verify.VERIFY_ENV}=size" in str(err_size), err_size
     for message in (str(err), str(err_size)):
         for text in NOT_DAMAGE:
             assert text not in message, (text, message)

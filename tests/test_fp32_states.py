@@ -17,7 +17,7 @@ import torch.nn as nn
 from titan_lowbit.config import LowBit
 from titan_lowbit.optim import LowBitAdamW, convert_state_dict
 from titan_lowbit.optim.formats import STATE_FORMATS
-from titan_lowbit.torchtitan.checkpoint import CheckpointMismatch, check_compatible
+from titan_lowbit.torchtitan.checkpoint_layout import CheckpointMismatch, check_compatible
 from titan_lowbit.torchtitan.checkpoint_convert import load_converted
 from titan_lowbit.torchtitan.lowbit_optimizers import FP32_ADAMW_STATE_BYTES
 from titan_lowbit.torchtitan.optimizer_builder import describe

@@ -334,7 +334,7 @@ def test_a_checkpoint_of_the_other_master_layout_is_refused_naming_the_setting(s
     import torch.distributed.checkpoint as dcp
     from torchtitan.components.optimizer import OptimizersContainer
 
-    from titan_lowbit.torchtitan import checkpoint as ckpt
+    from titan_lowbit.torchtitan import checkpoint_layout
 
     kw = dict(state_format="8bit", **KW)
     src = LowBitAdamW(_params(), weight_update=saved, **kw)
@@ -345,8 +345,8 @@ def test_a_checkpoint_of_the_other_master_layout_is_refused_naming_the_setting(s
     model = nn.Linear(64, 64).to(torch.bfloat16)
     make = lambda update: OptimizersContainer([model], LowBitAdamW, dict(kw, weight_update=update))  # noqa: E731
     dcp.save({"optimizer": make(saved)}, checkpoint_id=str(tmp_path), no_dist=True)
-    with pytest.raises(ckpt.CheckpointMismatch, match=f'lowbit\\] weight_update = "{saved}"'):
-        ckpt.check_compatible({"optimizer": make(loading)}, str(tmp_path))
+    with pytest.raises(checkpoint_layout.CheckpointMismatch, match=f'lowbit\\] weight_update = "{saved}"'):
+        checkpoint_layout.check_compatible({"optimizer": make(loading)}, str(tmp_path))
 
 
 def test_the_toml_option_reaches_the_optimizer_and_the_start_up_line():

@@ -61,7 +61,7 @@ if str(ROOT / "scripts") not in sys.path:
 from run_logs import step_losses  # noqa: E402  (scripts/run_logs.py)
 from runs import child_env, gpu_count, launch  # noqa: E402  (scripts/runs.py)
 
-from titan_lowbit.torchtitan import checkpoint as ckpt  # noqa: E402
+from titan_lowbit.torchtitan import checkpoint_verify  # noqa: E402
 from titan_lowbit.torchtitan.checkpoint_manifest import index_places  # noqa: E402
 
 STEP_RECORD = "train_state.step"
@@ -216,14 +216,14 @@ def check_damage(step_dir: Path, damage: Damage, work: Path) -> Verdict:
         expected = damage.apply(copy)
     except Exception as err:  # noqa: BLE001  (a checkpoint this damage cannot be made in)
         return Verdict(damage.name, "checks", None, f"cannot be made here: {err}")
-    step = int(ckpt.STEP_DIR.search(copy.name).group(1))
+    step = int(checkpoint_verify.STEP_DIR.search(copy.name).group(1))
     if damage.skipped:
-        held = step not in ckpt.complete_steps(str(copy.parent))
+        held = step not in checkpoint_verify.complete_steps(str(copy.parent))
         return Verdict(damage.name, "checks", held, "skipped as incomplete" if held else
                        "still counted as a complete checkpoint")
     try:
-        problems, by_manifest = ckpt.checkpoint_problems(str(copy), ckpt.read_metadata(str(copy)))
-    except ckpt.CheckpointDamaged as err:
+        problems, by_manifest = checkpoint_verify.checkpoint_problems(str(copy), checkpoint_verify.read_metadata(str(copy)))
+    except checkpoint_verify.CheckpointDamaged as err:
         problems, by_manifest = [str(err)], True
     text = "\n".join(problems)
     missing = [e for e in expected if e not in text]
@@ -349,7 +349,7 @@ def kill_rank_during_save(runs: Runs, losses: dict) -> Verdict:
     want = {s: losses[s] for s in range(runs.interval + 1, runs.last + 1)}
     step_dir = dump / "checkpoint" / f"step-{runs.last}"
     complete = (rc == 0 and step_dir.is_dir()
-                and ckpt.checkpoint_problems(str(step_dir), ckpt.read_metadata(str(step_dir)))[0] == [])
+                and checkpoint_verify.checkpoint_problems(str(step_dir), checkpoint_verify.read_metadata(str(step_dir)))[0] == [])
     left = sorted(p.name for p in (dump / "checkpoint").iterdir() if p.name.startswith("."))
     held = proc.returncode != 0 and resumed == want and complete and not left
     return Verdict(name, "resume", held, f"killed during the save of step {runs.last}; resumed from step "
