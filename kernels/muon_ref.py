@@ -64,7 +64,7 @@ def newton_schulz(u: torch.Tensor, steps: int = NS_STEPS,
     x = x / (x.norm() + NS_EPS)
     for _ in range(steps):
         gram = x @ x.T
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
+        x = a * x + (b * gram + (c * gram) @ gram) @ x  # the reference's order of bf16 roundings
     return x if wide else x.T
 
 
