@@ -306,6 +306,55 @@ def _store_moment(cfg: AdamWConfig, t: AdamWTensor, state: torch.Tensor, scale: 
     _write(scale, absmax, keep)
 
 
+# ---------------------------------------------------------------------------------------
+# the weight: read in fp32, and the fp32 result landed in it (every optimizer's step)
+# ---------------------------------------------------------------------------------------
+def weight_fp32(param: torch.Tensor, extra: Optional[torch.Tensor], update: int, rows: int,
+                cols: int) -> torch.Tensor:
+    """The fp32 weight a step starts from, ``[rows, cols]``: an fp32 parameter itself, the
+    fp32 master weights of a bf16 one (``master``: the state; ``master_remainder``: rebuilt
+    from the weight and its remainder), else the bf16 weight widened."""
+    bf16_param = param.dtype == torch.bfloat16
+    if bf16_param and update == UPDATE_MASTER:
+        return extra.reshape(rows, cols).clone()
+    if bf16_param and update == UPDATE_MASTER_REMAINDER:
+        return master_rebuild(param.reshape(rows, cols), extra.reshape(rows, cols))
+    return param.reshape(rows, cols).to(torch.float32)
+
+
+def land_weight(param: torch.Tensor, extra: Optional[torch.Tensor], p: torch.Tensor, p_new: torch.Tensor,
+                update: int, stochastic: tuple[int, int, int, int], keep: Optional[torch.Tensor] = None) -> None:
+    """Write the new fp32 weight ``p_new`` (``[rows, cols]``; the step started from ``p``,
+    ``weight_fp32``) into ``param`` and its ``extra`` state by the weight-update rule
+    ``update``: an fp32 parameter exactly; a bf16 one rounded to nearest, stochastically,
+    with Kahan compensation, or from fp32 master weights (kept whole, or as a remainder).
+    ``stochastic``: (global index of element (0, 0), row stride of the global index, tensor
+    key, step key) of stochastic rounding. ``keep``: ``[rows, cols]`` elements left as they
+    are (the non-finite guard's blocks), or None."""
+    rows, cols = p_new.shape
+    if param.dtype != torch.bfloat16:
+        out = p_new
+    elif update == UPDATE_NEAREST:
+        out = bf16_rne(p_new)
+    elif update == UPDATE_STOCHASTIC:
+        sr_base, sr_row_stride, sr_key, skey = stochastic
+        r = torch.arange(rows, dtype=torch.int64, device=p_new.device)[:, None]
+        c = torch.arange(cols, dtype=torch.int64, device=p_new.device)[None, :]
+        out = bf16_stochastic(p_new, sr_base + r * sr_row_stride + c, sr_key, skey)
+    elif update == UPDATE_KAHAN:
+        comp = extra.reshape(rows, cols).to(torch.float32)
+        sum_ = (p_new - p) + comp
+        out = bf16_rne(p + sum_)
+        _write(extra, bf16_rne(sum_ - (out.to(torch.float32) - p)), keep)
+    elif update == UPDATE_MASTER_REMAINDER:
+        out, rem = master_split(p_new)
+        _write(extra, rem, keep)
+    else:
+        _write(extra, p_new, keep)
+        out = bf16_away(p_new)
+    _write(param, out, keep)
+
+
 def adamw_step_reference(cfg: AdamWConfig, tensors: Sequence[AdamWTensor], grads: Sequence[torch.Tensor],
                          hyper: AdamWHyper, guard: Optional[NonfiniteGuard] = None) -> None:
     """Step every tensor in place with the math of ``_adamw_lowbit_kernel`` (and its
@@ -324,17 +373,9 @@ def adamw_step_reference(cfg: AdamWConfig, tensors: Sequence[AdamWTensor], grads
     beta1, omb1 = _f32(s["beta1"], dev), _f32(s["one_minus_beta1"], dev)
     beta2, omb2 = _f32(s["beta2"], dev), _f32(s["one_minus_beta2"], dev)
     eps, isbc2 = _f32(s["eps"], dev), _f32(s["inv_sqrt_bc2"], dev)
-    bf16_param = cfg.param_dtype == torch.bfloat16
-
     for t, grad in zip(tensors, grads):
         g = grad.reshape(t.rows, t.cols).to(torch.float32)
-        p_stored = t.param.reshape(t.rows, t.cols).to(torch.float32)
-        if bf16_param and cfg.weight_update == UPDATE_MASTER:
-            p = t.extra.reshape(t.rows, t.cols).clone()
-        elif bf16_param and cfg.weight_update == UPDATE_MASTER_REMAINDER:
-            p = master_rebuild(t.param.reshape(t.rows, t.cols), t.extra.reshape(t.rows, t.cols))
-        else:
-            p = p_stored
+        p = weight_fp32(t.param, t.extra, cfg.weight_update, t.rows, t.cols)
         m = _load_moment(cfg, t, t.exp_avg, t.exp_avg_scale, cfg.m_codec)
         v = _load_moment(cfg, t, t.exp_avg_sq, t.exp_avg_sq_scale, cfg.v_codec)
 
@@ -361,24 +402,5 @@ def adamw_step_reference(cfg: AdamWConfig, tensors: Sequence[AdamWTensor], grads
         _store_moment(cfg, t, t.exp_avg, t.exp_avg_scale, cfg.m_codec, m, keep)
         _store_moment(cfg, t, t.exp_avg_sq, t.exp_avg_sq_scale, cfg.v_codec, v, keep, zero_free=True)
 
-        if not bf16_param:
-            out = p_new
-        elif cfg.weight_update == UPDATE_NEAREST:
-            out = bf16_rne(p_new)
-        elif cfg.weight_update == UPDATE_STOCHASTIC:
-            r = torch.arange(t.rows, dtype=torch.int64, device=dev)[:, None]
-            c = torch.arange(t.cols, dtype=torch.int64, device=dev)[None, :]
-            gidx = t.sr_base + r * t.sr_row_stride + c
-            out = bf16_stochastic(p_new, gidx, t.sr_key, s["skey"])
-        elif cfg.weight_update == UPDATE_KAHAN:
-            comp = t.extra.reshape(t.rows, t.cols).to(torch.float32)
-            sum_ = (p_new - p) + comp
-            out = bf16_rne(p + sum_)
-            _write(t.extra, bf16_rne(sum_ - (out.to(torch.float32) - p)), keep_elems)
-        elif cfg.weight_update == UPDATE_MASTER_REMAINDER:
-            out, rem = master_split(p_new)
-            _write(t.extra, rem, keep_elems)
-        else:
-            _write(t.extra, p_new, keep_elems)
-            out = bf16_away(p_new)
-        _write(t.param, out, keep_elems)
+        land_weight(t.param, t.extra, p, p_new, cfg.weight_update, (t.sr_base, t.sr_row_stride, t.sr_key, s["skey"]),
+                    keep_elems)

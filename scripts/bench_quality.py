@@ -12,7 +12,8 @@ can lose. Every optimizer sees the same initial weight and the same minibatches.
 Reported per optimizer: the final training loss (mean squared error over all samples),
 the distance of its final weight from torch AdamW's, ``|W - W_adam| / |W_adam - W_0|``
 (Frobenius norms: the error as a fraction of the way AdamW moved), and the largest
-element difference in units of lr. Peers, if importable: torchao's AdamW8bit / AdamW4bit
+element difference in units of lr; LowBitMuon (fp32, 8-bit, 4-bit momentum) at the same lr
+follows its own trajectory: compare its rows' losses with each other and with AdamW's. Peers, if importable: torchao's AdamW8bit / AdamW4bit
 / AdamWFp8 and bitsandbytes' AdamW8bit (CUDA only).
 
     python3 scripts/bench_quality.py                      # CUDA if there is one, else CPU
@@ -71,13 +72,18 @@ def run(build, x, y, idx, d_out: int) -> tuple[torch.Tensor, float, float]:
 
 
 def optimizers(args, device: str) -> list[tuple[str, object]]:
-    from titan_lowbit.optim import LowBitAdamW
+    from titan_lowbit.optim import LowBitAdamW, LowBitMuon
 
     kw = dict(lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     rows = [("torch AdamW fp32", lambda w: torch.optim.AdamW([w], **kw))]
     for fmt in ("fp32", "8bit", "4bit", "fp8"):
         rows.append((f"LowBitAdamW {fmt}", lambda w, f=fmt: LowBitAdamW([("w", w)], state_format=f,
                                                                         min_quantized_numel=0, **kw)))
+    # Muon at AdamW's lr and weight decay (its update is scaled to AdamW's RMS): another
+    # trajectory, so its row's distance from torch AdamW is no error; compare the losses
+    for fmt in ("fp32", "8bit", "4bit"):
+        rows.append((f"LowBitMuon {fmt}", lambda w, f=fmt: LowBitMuon([("w", w)], lr=args.lr, weight_decay=0.0,
+                                                                      state_format=f, min_quantized_numel=0)))
     if not args.peers:
         return rows
     try:

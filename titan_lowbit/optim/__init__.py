@@ -1,4 +1,4 @@
-"""Optimizer front end: formats, AdamW math, param groups, DTensor handling.
+"""Optimizer front end: formats, AdamW math, Muon, param groups, DTensor handling.
 
 ``OPTIMIZERS`` is the one list of optimizer names the plugin adds (torchtitan's
 ``[optimizer] name``), each mapped to ``LowBitAdamW`` keyword arguments.
@@ -7,6 +7,7 @@
 from .adamw import LowBitAdamW
 from .convert import convert_state_dict
 from .formats import STATE_FORMATS, StateFormat
+from .muon import LowBitMuon
 
 OPTIMIZERS: dict[str, dict] = {
     "AdamW8bit": dict(state_format="8bit", decoupled_weight_decay=True),
@@ -20,4 +21,4 @@ OPTIMIZERS: dict[str, dict] = {
     "Adam": dict(state_format="fp32", decoupled_weight_decay=False),
 }
 
-__all__ = ["LowBitAdamW", "OPTIMIZERS", "STATE_FORMATS", "StateFormat", "convert_state_dict"]
+__all__ = ["LowBitAdamW", "LowBitMuon", "OPTIMIZERS", "STATE_FORMATS", "StateFormat", "convert_state_dict"]

@@ -34,7 +34,7 @@ from .group_options import (
 from .hyperparams import hyper_value
 from .nonfinite import DeferredNonfiniteCheck, describe, precheck_launch, precheck_result
 from .second_moment import restore_second_moments
-from .state_dict import check_loadable, require_state_dict
+from .state_dict import check_loadable, load_with_checks, require_state_dict
 from .step_plan import StepPlan, build_step_plan, fused_launches, kernel_tensor
 from .tensors import like_param, local
 from .torch_flags import TORCH_FLAGS
@@ -275,24 +275,11 @@ class LowBitAdamW(torch.optim.Optimizer):
         loaded: list = []
         before = (self.state, self.param_groups, self._master_pending)
 
-        def check(_, checked_dict: dict[str, Any]) -> dict[str, Any]:
-            loaded.extend(check_loadable(self, checked_dict))
-            return {**checked_dict, "state": {}}
+        def restore() -> None:  # torch replaced the groups, never changed them: put them back
+            self.state, self.param_groups, self._master_pending = before
 
-        def load(_) -> None:
-            try:  # torch replaced the groups, never changed them: put them back
-                self._load(before[0], loaded)
-            except BaseException:
-                self.state, self.param_groups, self._master_pending = before
-                raise
-
-        hooks = (self.register_load_state_dict_pre_hook(check),
-                 self.register_load_state_dict_post_hook(load, prepend=True))
-        try:
-            super().load_state_dict(state_dict)
-        finally:
-            for hook in hooks:
-                hook.remove()
+        load_with_checks(self, state_dict, lambda sd: loaded.extend(check_loadable(self, sd)),
+                         lambda: self._load(before[0], loaded), restore)
 
     def _load(self, state: dict, loaded: list) -> None:
         """Put this optimizer's ``state`` back in place of the empty one torch's load made,

@@ -55,26 +55,32 @@ class StateFormat:
     def quantized(self) -> bool:
         return self.m_codec != CODEC_NONE
 
-    def state_shapes(self, shape: tuple[int, ...], block: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """State tensor name -> (shape, dtype) for a parameter (or local shard) of ``shape``."""
+    def moment_shapes(self, key: str, shape: tuple[int, ...], block: int
+                      ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """State tensor name -> (shape, dtype) of one moment named ``key`` (plain: ``key``;
+        quantized: ``key + "_codes"`` and ``key + "_absmax"``) of a parameter (or local
+        shard) of ``shape``, coded with this format's first-moment codec."""
         if not self.quantized:
-            return {"exp_avg": (shape, self.plain_dtype), "exp_avg_sq": (shape, self.plain_dtype)}
+            return {key: (shape, self.plain_dtype)}
         cols = shape[-1] if shape else 1
         lead = tuple(shape[:-1])
-        codes = lead + (-(-cols // self.codes_per_byte),)
-        scales = lead + (-(-cols // block),)
-        return {
-            "exp_avg_codes": (codes, self.code_dtype),
-            "exp_avg_absmax": (scales, torch.float32),
-            "exp_avg_sq_codes": (codes, self.code_dtype),
-            "exp_avg_sq_absmax": (scales, torch.float32),
-        }
+        return {f"{key}_codes": (lead + (-(-cols // self.codes_per_byte),), self.code_dtype),
+                f"{key}_absmax": (lead + (-(-cols // block),), torch.float32)}
+
+    def state_shapes(self, shape: tuple[int, ...], block: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """State tensor name -> (shape, dtype) of AdamW's two moments for a parameter (or
+        local shard) of ``shape``."""
+        return {**self.moment_shapes("exp_avg", shape, block), **self.moment_shapes("exp_avg_sq", shape, block)}
+
+    def moment_bytes_per_element(self, block: int) -> float:
+        """State bytes per parameter element of one moment for a long row (scales included)."""
+        if not self.quantized:
+            return torch.finfo(self.plain_dtype).bits / 8
+        return 1.0 / self.codes_per_byte + 4.0 / block
 
     def bytes_per_element(self, block: int) -> float:
         """State bytes per parameter element for a long row (both moments, scales included)."""
-        if not self.quantized:
-            return 2 * torch.finfo(self.plain_dtype).bits / 8
-        return 2 * (1.0 / self.codes_per_byte + 4.0 / block)
+        return 2 * self.moment_bytes_per_element(block)
 
 
 STATE_FORMATS: dict[str, StateFormat] = {
@@ -111,6 +117,24 @@ def param_format(p: torch.Tensor, group: dict) -> tuple[StateFormat, int]:
     return fmt, block_of(fmt.name, group["block_size"])
 
 
+# weight_update -> (name, dtype) of the state it keeps beside a bf16 weight, shaped like it
+WEIGHT_UPDATE_STATE: dict[str, tuple[str, torch.dtype]] = {
+    "master": ("master", torch.float32),  # fp32 master weights
+    "kahan": ("kahan_comp", torch.bfloat16),  # what rounding to bf16 lost
+    "master_remainder": ("master_remainder", torch.int16),  # the master's low 16 bits
+}
+
+
+def weight_update_specs(p: torch.Tensor, group: dict[str, Any]) -> dict[str, tuple]:
+    """State tensor name -> (local shape, dtype, global shape) of the extra state that
+    ``group``'s ``weight_update`` keeps for parameter ``p`` (bf16 parameters only)."""
+    entry = WEIGHT_UPDATE_STATE.get(group["weight_update"])
+    if p.dtype != torch.bfloat16 or entry is None:
+        return {}
+    key, dtype = entry
+    return {key: (tuple(local(p).shape), dtype, tuple(p.shape))}
+
+
 def state_specs(p: torch.Tensor, group: dict[str, Any]) -> dict[str, tuple]:
     """State tensor name -> (local shape, dtype, global shape) of one parameter of
     ``group``: its format's tensors, and the extra state of its weight update."""
@@ -119,11 +143,4 @@ def state_specs(p: torch.Tensor, group: dict[str, Any]) -> dict[str, tuple]:
     shapes = fmt.state_shapes(tuple(loc.shape), block)
     gshapes = fmt.state_shapes(tuple(p.shape), block)
     specs = {k: (shape, dtype, gshapes[k][0]) for k, (shape, dtype) in shapes.items()}
-    if p.dtype == torch.bfloat16 and group["weight_update"] == "master":
-        specs["master"] = (tuple(loc.shape), torch.float32, tuple(p.shape))
-    elif p.dtype == torch.bfloat16 and group["weight_update"] == "kahan":
-        specs["kahan_comp"] = (tuple(loc.shape), torch.bfloat16, tuple(p.shape))
-    elif p.dtype == torch.bfloat16 and group["weight_update"] == "master_remainder":
-        specs["master_remainder"] = (tuple(loc.shape), torch.int16, tuple(p.shape))
-    return specs
-
+    return {**specs, **weight_update_specs(p, group)}

@@ -50,17 +50,38 @@ def fixed_value(group: dict[str, Any], key: str) -> Any:
 def check_group(group: dict[str, Any], where: str) -> None:
     """Refuse a group whose option has a value LowBitAdamW cannot step with; ``where``
     names the group in the error."""
-    lr = group["lr"]
-    if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
-        check_one_value(where, "lr", lr)  # the kernels read it on its device: no host sync here
-    elif not (0 <= hyper_value(where, "lr", lr) < math.inf):
-        raise ValueError(f"{where}: lr={shown(lr)} is invalid; use a finite lr >= 0")
+    check_lr(group, where)
     betas = group["betas"]
     if (not hasattr(betas, "__len__") or len(betas) != 2
             or not all(0.0 <= hyper_value(where, "betas", b) < 1.0 for b in betas)):
         raise ValueError(f"{where}: betas={betas!r}; each beta must lie in [0, 1)")
     if not hyper_value(where, "eps", group["eps"]) >= 0:
         raise ValueError(f"{where}: eps={shown(group['eps'])}; use eps >= 0")
+    check_state_options(group, where)
+    check_torch_flags(group, where)
+    check_skipped(group, where)
+
+
+def check_skipped(group: dict[str, Any], where: str) -> None:
+    skipped = group.get(SKIPPED, 0)
+    if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
+        raise ValueError(f"{where}: {SKIPPED}={skipped!r}; the count of skipped steps is an int >= 0")
+
+
+def check_lr(group: dict[str, Any], where: str) -> None:
+    """Refuse a group's ``lr`` that is not a finite number >= 0 (a tensor lr off the CPU:
+    not one real number)."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
+        check_one_value(where, "lr", lr)  # the kernels read it on its device: no host sync here
+    elif not (0 <= hyper_value(where, "lr", lr) < math.inf):
+        raise ValueError(f"{where}: lr={shown(lr)} is invalid; use a finite lr >= 0")
+
+
+def check_state_options(group: dict[str, Any], where: str) -> None:
+    """Refuse a group's weight decay or state layout options (``state_format``,
+    ``weight_update``, ``block_size``, ``min_quantized_numel``) that no optimizer of this
+    package steps with."""
     wd = hyper_value(where, "weight_decay", group["weight_decay"])
     if not (wd >= 0 and math.isfinite(wd)):
         raise ValueError(f"{where}: weight_decay={shown(group['weight_decay'])}; use a finite weight_decay >= 0")
@@ -73,10 +94,6 @@ def check_group(group: dict[str, Any], where: str) -> None:
         raise ValueError(f"{where}: block_size={bs!r}; use 0 (the format's default) or a power of two >= 2")
     if not isinstance(group["min_quantized_numel"], int) or group["min_quantized_numel"] < 0:
         raise ValueError(f"{where}: min_quantized_numel={group['min_quantized_numel']!r}; use an int >= 0")
-    check_torch_flags(group, where)
-    skipped = group.get(SKIPPED, 0)
-    if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
-        raise ValueError(f"{where}: {SKIPPED}={skipped!r}; the count of skipped steps is an int >= 0")
 
 
 def check_param(p: torch.Tensor, group: dict[str, Any], name: str) -> None:

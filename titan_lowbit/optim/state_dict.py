@@ -262,21 +262,63 @@ def check_loadable(opt: LoadTarget, state_dict: dict[str, Any]
                     "would restart from zero moments (and its master weight from the bf16 value) while "
                     "the others resume: the state dict is incomplete or not this optimizer's. Load a "
                     "complete one, or start the optimizer state afresh")
-            specs = entry_specs(p, group)
-            fmt, block = param_format(p, group)
             sharded = next((v for v in opt.state[p].values() if isinstance(v, DTensor)), None)
-            check_structure(name, state, specs, sharded,
-                            f"state_format={fmt.name!r}, block {block}, weight_update={group['weight_update']!r}")
-            step = check_step(name, state["step"])
-            for k, spec in specs.items():
-                checks.append((state[k], spec))
-                where.append((name, k))
-            loaded.append((p, {k: state[k] for k in specs}, step))
+            loaded.append(check_param_state(p, name, state, entry_specs(p, group), sharded, group, checks, where))
     params = [p for g in opt.param_groups for p in g["params"]]
-    for (name, k), (_, spec), bad in zip(where, checks, find_value_problems(checks, is_distributed(params))):
+    raise_value_problems(checks, where, is_distributed(params))
+    return loaded
+
+
+def check_param_state(p: torch.Tensor, name: str, state: Any, specs: dict[str, EntrySpec], sharded: Optional[DTensor],
+                      group: dict[str, Any], checks: list, where: list
+                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
+    """Check the structure and step of parameter ``p``'s loaded ``state`` against
+    ``specs`` (``check_structure``, ``check_step``) and queue its value checks on
+    ``checks`` and ``where`` (``raise_value_problems`` runs them all at once); returns
+    (``p``, its loaded state tensors, its step)."""
+    fmt, block = param_format(p, group)
+    check_structure(name, state, specs, sharded,
+                    f"state_format={fmt.name!r}, block {block}, weight_update={group['weight_update']!r}")
+    step = check_step(name, state["step"])
+    for k, spec in specs.items():
+        checks.append((state[k], spec))
+        where.append((name, k))
+    return p, {k: state[k] for k in specs}, step
+
+
+def raise_value_problems(checks: list[tuple[torch.Tensor, EntrySpec]], where: list[tuple[str, str]],
+                         distributed: bool) -> None:
+    """Raise ``value_error`` for the first queued (tensor, spec) whose values are invalid."""
+    for (name, k), (_, spec), bad in zip(where, checks, find_value_problems(checks, distributed)):
         if bad:
             raise value_error(name, k, spec)
-    return loaded
+
+
+def load_with_checks(opt: torch.optim.Optimizer, state_dict: dict[str, Any], check, load, restore) -> None:
+    """Run torch's ``Optimizer.load_state_dict`` on ``opt`` with its hooks in its order,
+    ``check(state_dict)`` as the last pre-hook (it raises on anything that does not fit,
+    before anything changes; the rest of torch's load then sees no state, which it would
+    cast to the parameters' dtypes) and ``load()`` as the first post-hook (it puts the
+    checked states in, so the user's post-hooks see them); if ``load`` raises,
+    ``restore()`` puts the optimizer back as it was."""
+    def pre_hook(_, checked_dict: dict[str, Any]) -> dict[str, Any]:
+        check(checked_dict)
+        return {**checked_dict, "state": {}}
+
+    def post_hook(_) -> None:
+        try:
+            load()
+        except BaseException:
+            restore()
+            raise
+
+    hooks = (opt.register_load_state_dict_pre_hook(pre_hook),
+             opt.register_load_state_dict_post_hook(post_hook, prepend=True))
+    try:
+        torch.optim.Optimizer.load_state_dict(opt, state_dict)
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 
