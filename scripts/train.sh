@@ -50,4 +50,4 @@ colour=()
 
 exec "$python" -m torch.distributed.run --standalone --nproc_per_node="$nproc" \
   --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3 \
-  -m torchtitan.train --job.config_file "$config" "${colour[@]}" "$@"
+  -m torchtitan.train --job.config_file "$config" ${colour[@]+"${colour[@]}"} "$@"
