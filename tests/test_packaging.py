@@ -25,6 +25,8 @@ README = ROOT / "README.md"
 CI = ROOT / ".ci" / "run"
 TEST_COMMAND = " && python -m pytest"  # the whole suite, torchtitan 0.2 line
 TEST_COMMAND_03 = " && python -m pytest tests/test_torchtitan03.py"  # the torchtitan 0.3 line
+# the kernels with the oldest Triton the package declares
+TEST_COMMAND_OLDEST_TRITON = " && python -m pytest tests/test_optim_kernels.py tests/test_bitnet_kernels.py"
 
 
 def code_blocks(language: str) -> list[str]:
@@ -38,14 +40,20 @@ def readme_lines(predicate) -> list[str]:
 
 def test_ci_installs_exactly_as_readme_says():
     installs = []
-    for command in (TEST_COMMAND, TEST_COMMAND_03):
+    for command in (TEST_COMMAND, TEST_COMMAND_OLDEST_TRITON, TEST_COMMAND_03):
         tests = readme_lines(lambda line: line.endswith(command))
         assert len(tests) == 1, f"README.md should hold one test command ending {command!r}, found {tests}"
         installs.append(tests[0].removesuffix(command))
     ci = CI.read_text().splitlines()
     assert [line.strip() for line in ci if "pip install" in line] == installs
     assert ci.index(installs[0]) < ci.index("python -m pytest")
-    assert "python -m pytest tests/test_torchtitan03.py" in [line.strip() for line in ci]
+    stripped = [line.strip() for line in ci]
+    # the oldest Triton, the version pyproject.toml declares as the lowest, after the suite
+    oldest = re.search(r'"triton>=([0-9.]+),', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert installs[1] == f'pip install "triton=={oldest}.0"', installs[1]
+    assert stripped.index(installs[1]) > stripped.index("python -m pytest")
+    assert TEST_COMMAND_OLDEST_TRITON.removeprefix(" && ") in stripped
+    assert "python -m pytest tests/test_torchtitan03.py" in stripped
     # Every README line that installs torch installs it as one of the tested lines does.
     for line in readme_lines(lambda line: line.startswith("pip install torch")):
         assert any(line.startswith(install) or install.startswith(line) for install in installs), line
