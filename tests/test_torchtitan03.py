@@ -35,6 +35,7 @@ from torchtitan.components.optimizer.utils import init_optim_state  # noqa: E402
 
 from titan_lowbit.optim import LowBitAdamW  # noqa: E402
 from titan_lowbit.torchtitan import v03  # noqa: E402
+from titan_lowbit.torchtitan.lr_schedule import SCHEDULE_FILE  # noqa: E402
 
 WEIGHT_UPDATES = ("nearest", "stochastic", "kahan", "master", "master_remainder")
 
@@ -463,6 +464,10 @@ def test_resume_from_step_4_ends_bit_for_bit_where_the_straight_run_ends(straigh
     os.symlink(dump / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
     resumed_log = train_run(resumed, *CHECKPOINT)
     assert "Training starts at step 5" in resumed_log
+    # the checkpoint keeps the LR schedule's settings; the same ones resume without a word
+    settings = json.loads((dump / "checkpoint" / "step-4" / SCHEDULE_FILE).read_text())
+    assert settings["training.steps"] == 8 and "lr_scheduler.warmup_steps" in settings, settings
+    assert "learning-rate schedule differs" not in resumed_log
     straight, again = step_losses(log), step_losses(resumed_log)
     assert {s: again[s] for s in range(5, 9)} == {s: straight[s] for s in range(5, 9)}
     a = dict(flatten(checkpoint_tensors(dump / "checkpoint" / "step-8")))

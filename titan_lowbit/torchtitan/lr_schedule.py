@@ -32,13 +32,18 @@ def schedule_settings(lr_scheduler_config, training_steps: int) -> dict[str, Any
     return settings
 
 
+def remember_schedule(container, lr_scheduler_config, training_steps: int) -> None:
+    """Let torchtitan's LR scheduler ``container`` carry the settings it was built from."""
+    setattr(container, ATTRIBUTE, schedule_settings(lr_scheduler_config, training_steps))
+
+
 def wrap_build_lr_schedulers(build):
-    """torchtitan's ``build_lr_schedulers_fn``, whose container remembers its settings."""
+    """torchtitan 0.2's ``build_lr_schedulers_fn``, whose container remembers its settings."""
 
     @functools.wraps(build)
     def build_lr_schedulers(optimizers, lr_scheduler_config, training_steps):
         container = build(optimizers, lr_scheduler_config, training_steps)
-        setattr(container, ATTRIBUTE, schedule_settings(lr_scheduler_config, training_steps))
+        remember_schedule(container, lr_scheduler_config, training_steps)
         return container
 
     return build_lr_schedulers

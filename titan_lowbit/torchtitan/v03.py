@@ -38,13 +38,14 @@ from fnmatch import fnmatch
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.nn.attention.flex_attention import create_mask
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torchtitan.components.checkpointer import CheckpointManager
+from torchtitan.components.checkpointer import AsyncMode, CheckpointManager
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.override import derive, override
 from torchtitan.models.common import RMSNorm
@@ -68,6 +69,7 @@ from titan_lowbit.torchtitan.lowbit_optimizers import (
     settled_step,
     state_bytes_per_param,
 )
+from titan_lowbit.torchtitan.lr_schedule import remember_schedule, schedule_change, write_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -531,6 +533,8 @@ class CheckedCheckpointManager(CheckpointManager):
         pass
 
     def dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized) -> None:
+        if not from_hf and (warning := schedule_change(state_dict.get("lr_scheduler"), checkpoint_id)):
+            logger.warning(warning)
         if not from_hf and "optimizer" in state_dict:
             problem = optimizer_layout_problem(state_dict, FileSystemReader(checkpoint_id).read_metadata())
             if problem:
@@ -540,6 +544,14 @@ class CheckedCheckpointManager(CheckpointManager):
                     "block_size, min_quantized_numel, weight_update of the param groups), or load the "
                     "model alone (--checkpoint.initial_load_path with --checkpoint.initial_load_model_only).")
         super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+
+    def dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False,
+                 to_hf=False):
+        result = super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        # the schedule's settings beside a synchronous save (an async one may still be writing)
+        if not to_hf and async_mode == AsyncMode.DISABLED and (not dist.is_initialized() or dist.get_rank() == 0):
+            write_schedule(self.states.get("lr_scheduler"), checkpoint_id)
+        return result
 
 
 # ----------------------------------------------------------------------------------------
@@ -658,6 +670,8 @@ class LowBitTrainer(Trainer):
         if wants_persistent_rows(config):
             _install_persistent_rows()
         super().__init__(config)
+        # the schedule's settings travel with each checkpoint (titan_lowbit.torchtitan.lr_schedule)
+        remember_schedule(self.lr_schedulers, config.lr_scheduler, config.training.steps)
         bitnet = _bitnet_params(self.model_parts)
         if bitnet and any(isinstance(p, DTensor) for p in bitnet):
             # After each optimizer step: every sharded weight's sum |W|, one collective per
