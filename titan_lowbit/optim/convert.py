@@ -61,6 +61,7 @@ from titan_lowbit.kernels.adamw_lowbit_ref import (
 from .adamw import LowBitAdamW
 from .formats import param_format, state_specs
 from .group_options import SKIPPED
+from .tensors import like_param
 
 # Group values a conversion carries over from the source (a load restores them too).
 HYPERPARAMETERS = ("lr", "initial_lr", "betas", "eps", "weight_decay")
@@ -104,16 +105,6 @@ def _rows_cols(local: torch.Tensor) -> tuple[int, int]:
     """The [rows, cols] view the block layout takes of a (local) parameter."""
     cols = local.shape[-1] if local.dim() else 1
     return local.numel() // max(cols, 1), cols
-
-
-def _like(p: torch.Tensor, local: torch.Tensor, global_shape: Optional[tuple] = None) -> torch.Tensor:
-    """``local`` as a state tensor of ``p``: a DTensor placed like ``p`` when ``p`` is one."""
-    if not isinstance(p, DTensor):
-        return local
-    shape = torch.Size(global_shape if global_shape is not None else p.shape)
-    stride = tuple(int(s) for s in torch.empty(shape, device="meta").stride())
-    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=shape,
-                              stride=stride)
 
 
 def _is_lowbit(group: dict[str, Any]) -> bool:
@@ -186,7 +177,7 @@ def _lowbit_state(to, p: torch.Tensor, group: dict[str, Any], values: dict[str, 
         out["master_remainder"] = master_split(torch.where(pairs, master, weight))[1]
     elif "kahan_comp" in specs:
         out["kahan_comp"] = bf16_rne(master - weight)
-    state = {key: _like(p, out[key].reshape(shape).contiguous(), gshape)
+    state = {key: like_param(p, out[key].reshape(shape).contiguous(), gshape)
              for key, (shape, _, gshape) in specs.items()}
     state["step"] = torch.tensor(values["step"])
     return state
@@ -196,8 +187,8 @@ def _torch_state(p: torch.Tensor, values: dict[str, Any]) -> dict[str, Any]:
     """One parameter's state as torch's Adam/AdamW holds it (moments in the parameter's
     dtype, a float32 step tensor)."""
     return {"step": torch.tensor(values["step"], dtype=torch.float32),
-            "exp_avg": _like(p, values["m"].to(p.dtype)),
-            "exp_avg_sq": _like(p, values["v"].to(p.dtype))}
+            "exp_avg": like_param(p, values["m"].to(p.dtype), p.shape),
+            "exp_avg_sq": like_param(p, values["v"].to(p.dtype), p.shape)}
 
 
 def _new_weight(name: str, p: torch.Tensor, weight: torch.Tensor, saved_group: dict[str, Any],

@@ -68,7 +68,6 @@ from __future__ import annotations
 import inspect
 import os
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from titan_lowbit.kernels.private_apis import patch, private_api_ok
@@ -168,8 +167,7 @@ def register() -> None:
             result = original_save(self, state_dict, target, async_mode,
                                    enable_garbage_collection, to_hf)
             if not to_hf:  # written (async saves are refused): the manifest comes last
-                if not dist.is_initialized() or dist.get_rank() == 0:
-                    write_schedule(self.states.get(LR_SCHEDULER), target)
+                write_schedule(self.states.get(LR_SCHEDULER), target)
                 write_manifest(target)
             return result
 

@@ -21,6 +21,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 SCHEDULE_FILE = ".titan_lowbit_lr_schedule.json"
 ATTRIBUTE = "titan_lowbit_lr_schedule"  # on torchtitan's LRSchedulersContainer
 
@@ -50,10 +52,10 @@ def wrap_build_lr_schedulers(build):
 
 
 def write_schedule(container, folder: str | os.PathLike) -> None:
-    """Write the container's settings into the checkpoint ``folder`` (rank 0's job; no
-    file when the container was not built through :func:`wrap_build_lr_schedulers`)."""
+    """Write the container's settings into the checkpoint ``folder``: every rank calls it,
+    rank 0 writes (no file when the container does not carry its settings)."""
     settings = getattr(container, ATTRIBUTE, None)
-    if settings is not None:
+    if settings is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         path = Path(folder) / SCHEDULE_FILE
         path.write_text(json.dumps(settings, sort_keys=True))
 

@@ -38,7 +38,6 @@ from fnmatch import fnmatch
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
@@ -549,7 +548,7 @@ class CheckedCheckpointManager(CheckpointManager):
                  to_hf=False):
         result = super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
         # the schedule's settings beside a synchronous save (an async one may still be writing)
-        if not to_hf and async_mode == AsyncMode.DISABLED and (not dist.is_initialized() or dist.get_rank() == 0):
+        if not to_hf and async_mode == AsyncMode.DISABLED:
             write_schedule(self.states.get("lr_scheduler"), checkpoint_id)
         return result
 
