@@ -5,6 +5,7 @@ any test module imports triton (INTERPRET below).
 """
 
 import atexit
+import contextlib
 import os
 import pickle
 import re
@@ -125,10 +126,17 @@ LAUNCHER_VARIABLE = "TITAN_LOWBIT_TEST_LAUNCHER"
 _launcher: Launcher | None = None
 
 
+# The CPU-path runs (train.sh's CPU path, the gloo scenarios) see no GPU, also on a GPU
+# host: their ranks never touch CUDA, which cannot start in a process forked from one that
+# has queried it (as the fork launcher's ranks are), and, as every process without a GPU,
+# they run the Triton kernels under the interpreter.
+CPU_PATH_ENV = {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"} if torch.cuda.is_available() else {}
+
+
 def cpu_run_env(**extra: str) -> dict[str, str]:
     """The environment scripts/train.sh gives its ranks on the CPU path."""
     return {**os.environ, "TITAN_LOWBIT_DEVICE": "cpu",
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **extra}
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **CPU_PATH_ENV, **extra}
 
 
 def fork_launcher(env: dict[str, str]) -> Launcher | None:
@@ -355,11 +363,27 @@ def _gloo_worker(rank: int, world: int, port: int, scenarios, out_path: str) -> 
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """os.environ with ``values`` set, as it was afterwards."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run_on_gloo(scenarios, world: int, out_path: Path, start: str = "auto"):
     """Run the module-level function ``scenarios(rank)`` on ``world`` CPU processes joined
-    in a gloo process group; return what rank 0 returned. Without a GPU the ranks are
-    forked from the session's launcher (tests/gloo_rank.py, the ranks of train.sh's CPU
-    path: one thread each), else spawned; ``start`` = "fork" or "spawn" picks one.
+    in a gloo process group; return what rank 0 returned. The ranks are forked from the
+    session's launcher (tests/gloo_rank.py, the ranks of train.sh's CPU path: one thread
+    each, no GPU) unless TITAN_LOWBIT_TEST_LAUNCHER=torchrun, else spawned with the same
+    CPU-path environment; ``start`` = "fork" or "spawn" insists on one.
 
     A rank that aborts in gloo's teardown (see TRAINING_FINISHED above) after rank 0 has
     written the results, which it does only after every rank finished, leaves the results
@@ -367,7 +391,7 @@ def run_on_gloo(scenarios, world: int, out_path: Path, start: str = "auto"):
     if start not in ("auto", "fork", "spawn"):
         raise ValueError(f"start={start!r}: use 'auto', 'fork' or 'spawn'")
     launcher = None
-    if start == "fork" or (start == "auto" and not torch.cuda.is_available()):
+    if start != "spawn":
         launcher = fork_launcher(cpu_run_env())
         if launcher is None and start == "fork":
             raise RuntimeError(f"run_on_gloo(start='fork'): no fork launcher "
@@ -388,8 +412,9 @@ def run_on_gloo(scenarios, world: int, out_path: Path, start: str = "auto"):
             where = "a rank"
         else:
             try:
-                mp.spawn(_gloo_worker, args=(world, free_port(), scenarios, str(out_path)),
-                         nprocs=world, join=True)
+                with _environment(CPU_PATH_ENV):  # what the spawned ranks inherit
+                    mp.spawn(_gloo_worker, args=(world, free_port(), scenarios, str(out_path)),
+                             nprocs=world, join=True)
                 return torch.load(out_path, weights_only=False)
             except mp.ProcessExitedException as error:
                 if error.signal_name != "SIGABRT":

@@ -438,11 +438,12 @@ TORCH_TYPES = [("lr", np.float32(1e-2)), ("lr", np.float64(1e-2)), ("lr", torch.
                                                       for i, (k, v) in enumerate(TORCH_TYPES)])
 def test_hyperparameters_of_torchs_types_step_as_their_floats(key, value):
     """Each steps bit for bit as the Python float it holds; torch.optim.AdamW takes it too,
-    and fp32 states stay as close to it as with floats."""
+    and fp32 states stay as close to it as with floats. (torch's for-loop AdamW: its
+    foreach one, the default on CUDA, takes tensor betas only with capturable=True.)"""
     a, b, ref = _params(), _params(), _params()
     opt_a = _opt(a, state_format="fp32", **{key: value})
     opt_b = _opt(b, state_format="fp32", **{key: _as_float(value)})
-    torch_opt = torch.optim.AdamW(ref.values(), **{"lr": 1e-2, key: value})
+    torch_opt = torch.optim.AdamW(ref.values(), **{"lr": 1e-2, key: value}, foreach=False)
     for params, opt in ((a, opt_a), (b, opt_b), (ref, torch_opt)):
         _run(params, opt, 3)
     assert all(torch.equal(a[n], b[n]) for n in a) and not torch.equal(a["w"], _params()["w"])
@@ -660,3 +661,62 @@ def test_distance_from_torch_adamw(fmt, update, dtype):
         dist = sum((ours[n].float() - ref[n]).norm() ** 2 for n in ref) ** 0.5
     bound = TOLERANCE[fmt] + (BF16_WEIGHTS[update] if dtype == torch.bfloat16 else 0.0)
     assert dist / moved <= bound, float(dist / moved)
+
+
+class _ScaledWeight(torch.Tensor):
+    """A weight wrapper with a second inner tensor, as torchao's float8 training weight with
+    a precomputed scale: ``__tensor_flatten__`` names the data and a 0-d scale."""
+
+    @staticmethod
+    def __new__(cls, data, scale):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(), dtype=data.dtype,
+                                                   device=data.device, requires_grad=data.requires_grad)
+
+    def __init__(self, data, scale):
+        self._data, self._scale = data, scale
+
+    def __tensor_flatten__(self):
+        return ["_data", "_scale"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, size, stride):
+        return _ScaledWeight(inner["_data"], inner["_scale"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default:
+            return _ScaledWeight(args[0]._data.detach(), args[0]._scale)
+        unwrap = lambda x: x._data if isinstance(x, _ScaledWeight) else x  # noqa: E731
+        out = func(*torch.utils._pytree.tree_map(unwrap, args),
+                   **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+        return args[0] if func._schema.name.endswith("_") else out
+
+
+@pytest.mark.parametrize("fmt,update", [("8bit", "stochastic"), ("fp32", "master_remainder")])
+def test_wrapper_weight_with_a_scale_steps_its_data_as_a_plain_weight(fmt, update):
+    """torchao's float8 weight with a precomputed scale flattens into two tensors: the
+    optimizer updates the one of the weight's shape and dtype in place, bit for bit as a
+    plain weight, and leaves the scale alone."""
+    torch.manual_seed(0)
+    w = torch.randn(24, 40, dtype=torch.bfloat16, device=DEVICE)
+    scale = torch.tensor(3.0, device=DEVICE)
+    wrapped = torch.nn.Parameter(_ScaledWeight(w.clone(), scale))
+    plain = torch.nn.Parameter(w.clone())
+    opts = [LowBitAdamW([p], lr=1e-2, weight_decay=0.1, state_format=fmt, weight_update=update, min_quantized_numel=0)
+            for p in (wrapped, plain)]
+    for _ in range(3):
+        g = torch.randn_like(w)
+        for p, opt in zip((wrapped, plain), opts):
+            p.grad = g.clone()
+            opt.step()
+    assert torch.equal(wrapped._data, plain.detach())
+    assert not torch.equal(plain.detach(), w)
+    assert wrapped._scale.item() == 3.0
+
+
+def test_wrapper_weight_without_one_data_tensor_is_refused_naming_the_tensors():
+    w = torch.randn(8, 16, device=DEVICE)
+    both = torch.nn.Parameter(_ScaledWeight(w.clone(), w.clone()))  # two tensors of the weight's shape
+    both.grad = torch.randn_like(w)
+    with pytest.raises(TypeError, match=r"_data', '_scale'.*one inner tensor of the parameter's shape"):
+        LowBitAdamW([both], lr=1e-2).step()

@@ -225,3 +225,18 @@ def test_subln_with_hugging_face_export_is_refused(tmp_path):
     assert "[checkpoint] last_save_in_hf = true" in str(err.value) and "last_save_in_hf = false" in str(err.value)
     cfg.checkpoint.last_save_in_hf = False
     CONVERTERS["bitnet_subln"](cfg, dims())
+
+
+def test_float8_with_bf16_weights_under_autocast_is_refused(tmp_path):
+    """Without FSDP, TP or PP torchtitan trains under torch.autocast, where torchao's
+    float8 linears fail on bf16 weights; sharded, the job runs (docs/compatibility.md)."""
+    from titan_lowbit.torchtitan.train_spec import check_float8_with_bf16_weights
+
+    bf16 = 'weight_dtype = "bfloat16"'
+    with pytest.raises(ValueError, match=r'weight_dtype = "bfloat16" with the float8 converter.*'
+                                         r"data_parallel_shard_degree > 1.*\"float32\""):
+        check_float8_with_bf16_weights(job(tmp_path, ["quantize.linear.float8"], bf16), dims())
+    check_float8_with_bf16_weights(job(tmp_path, ["quantize.linear.float8"], bf16), dims(dp_shard=2))
+    check_float8_with_bf16_weights(job(tmp_path, ["quantize.linear.float8"], bf16), dims(tp=2))
+    check_float8_with_bf16_weights(job(tmp_path, ["quantize.linear.float8"]), dims())  # fp32 weights
+    check_float8_with_bf16_weights(job(tmp_path, [], bf16), dims())

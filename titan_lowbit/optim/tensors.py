@@ -15,18 +15,24 @@ PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The plain local tensor the kernels update in place: a DTensor's local shard (without
-    the overhead of ``to_local()``), and inside it the one inner tensor of a wrapper
-    subclass (e.g. BitNet's training weight, whose own ``data_ptr()`` is 0)."""
+    the overhead of ``to_local()``), and inside it the data of a wrapper subclass: its one
+    inner tensor (e.g. BitNet's training weight, whose own ``data_ptr()`` is 0), or, where the
+    wrapper carries more (torchao's float8 weight with a precomputed scale), the one inner
+    tensor of the wrapper's own shape and dtype."""
     if type(t) in PLAIN_TYPES:  # the common case, checked for every parameter at every step
         return t
     if isinstance(t, DTensor):
         t = t._local_tensor
     if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
-        inner, _ = t.__tensor_flatten__()
+        names, _ = t.__tensor_flatten__()
+        inner = [getattr(t, n) for n in names]
+        if len(inner) > 1:
+            inner = [x for x in inner if x.shape == t.shape and x.dtype == t.dtype]
         if len(inner) != 1:
-            raise TypeError(f"LowBitAdamW cannot update a {type(t).__name__} holding "
-                            f"{len(inner)} tensors; it needs one plain tensor per parameter")
-        t = getattr(t, inner[0])
+            raise TypeError(f"LowBitAdamW cannot update a {type(t).__name__} holding the tensors "
+                            f"{names}: it needs one inner tensor of the parameter's shape "
+                            f"{tuple(t.shape)} and dtype {t.dtype}, the weight it updates in place")
+        t = inner[0]
     return t
 
 

@@ -78,6 +78,25 @@ def apply_weight_dtype(model: nn.Module, job_config) -> None:
         )
 
 
+def check_float8_with_bf16_weights(job_config, parallel_dims) -> None:
+    """Refuse bf16 weights with torchao's float8 linears where torchtitan trains under
+    ``torch.autocast`` (no FSDP, TP or PP: one GPU, or DDP). There Float8Linear's matmul
+    fails at the first forward on bf16 weights (an AssertionError in torchao's autocast
+    cast; torchao 0.17, H100), while the same job under FSDP2 (float8 all-gathers,
+    compiled) trains and resumes bit for bit (docs/compatibility.md)."""
+    if ("quantize.linear.float8" not in (job_config.model.converters or [])
+            or lowbit_of(job_config).weight_dtype != "bfloat16"):
+        return
+    if parallel_dims.fsdp_enabled or parallel_dims.tp_enabled or parallel_dims.pp_enabled:
+        return
+    raise ValueError(
+        '[lowbit] weight_dtype = "bfloat16" with the float8 converter (quantize.linear.float8) '
+        "needs FSDP2 here: without FSDP, TP or PP torchtitan trains under "
+        "torch.autocast, where torchao's Float8Linear fails on bf16 weights at the first forward. "
+        "Shard the model (data_parallel_shard_degree > 1, on two or more GPUs), or keep fp32 "
+        "weights ([lowbit] weight_dtype = \"auto\" or \"float32\").")
+
+
 def wrap_parallelize(parallelize_fn):
     @functools.wraps(parallelize_fn)
     def parallelize(model, parallel_dims, job_config, *args, **kwargs):
@@ -85,6 +104,7 @@ def wrap_parallelize(parallelize_fn):
             if note not in _logged_notes:
                 _logged_notes.add(note)
                 logger.info(note)
+        check_float8_with_bf16_weights(job_config, parallel_dims)
         apply_weight_dtype(model, job_config)
         model = parallelize_fn(model, parallel_dims, job_config, *args, **kwargs)
         if parallel_dims.tp_enabled:
