@@ -99,8 +99,11 @@ class OwnerExchange:
     dimensions that split them. Building it is a collective on those dimensions' process
     groups (every rank learns every shard's rectangle); so is ``run``."""
 
-    def __init__(self, params: Sequence[DTensor], dims: tuple[int, ...]):
+    def __init__(self, params: Sequence[DTensor], dims: tuple[int, ...], wire_dtype: torch.dtype = WIRE_DTYPE):
+        """``wire_dtype``: what travels; anything but bf16 is for comparisons (a benchmark
+        of an fp32 exchange), not the optimizer's exactness."""
         mesh = params[0].device_mesh
+        self.wire_dtype = wire_dtype
         self.dims = dims
         self.sizes = tuple(mesh.size(d) for d in dims)
         here = mesh.get_coordinate()
@@ -187,8 +190,8 @@ class OwnerExchange:
              ) -> list[dict[Coord, torch.Tensor]]:
         send_list, send_sizes, recv_list, recv_sizes = self._route(hop, toward_owner)
         out = torch.cat([held[j][s] for j, s in send_list]) if send_list else \
-            torch.empty(0, dtype=WIRE_DTYPE, device=self.device)
-        got = torch.empty(sum(recv_sizes), dtype=WIRE_DTYPE, device=self.device)
+            torch.empty(0, dtype=self.wire_dtype, device=self.device)
+        got = torch.empty(sum(recv_sizes), dtype=self.wire_dtype, device=self.device)
         dist.all_to_all_single(got, out, recv_sizes, send_sizes, group=self.groups[hop])
         sizes = [self.rects[s][j][2] * self.rects[s][j][3] for j, s in recv_list]
         new: list[dict[Coord, torch.Tensor]] = [{} for _ in self.shapes]
@@ -200,18 +203,18 @@ class OwnerExchange:
     def run(self, inputs: Sequence[torch.Tensor],
             orthogonalise: Callable[[int, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
         """Each matrix's local shard of ``orthogonalise(j, whole input of matrix j)``
-        (bf16), given each matrix's local shard of the input (rounded to bf16 here)."""
-        held = [{self.coord: x.to(WIRE_DTYPE).reshape(-1)} for x in inputs]
+        (``wire_dtype``), given each matrix's local shard of the input (rounded to it here)."""
+        held = [{self.coord: x.to(self.wire_dtype).reshape(-1)} for x in inputs]
         for hop in range(len(self.dims)):
             held = self._hop(hop, True, held)
         for j, shape in enumerate(self.shapes):
             if self.owner[j] != self.coord:
                 continue
-            whole = torch.empty(shape, dtype=WIRE_DTYPE, device=self.device)
+            whole = torch.empty(shape, dtype=self.wire_dtype, device=self.device)
             for s, piece in held[j].items():
                 r0, c0, nr, nc = self.rects[s][j]
                 whole[r0:r0 + nr, c0:c0 + nc] = piece.view(nr, nc)
-            result = orthogonalise(j, whole).to(WIRE_DTYPE)
+            result = orthogonalise(j, whole).to(self.wire_dtype)
             held[j] = {}
             for s in self.coords:
                 r0, c0, nr, nc = self.rects[s][j]
@@ -237,7 +240,7 @@ class OwnerExchange:
             for toward in (True, False):
                 sizes = self._route(hop, toward)[1]
                 total += sum(x for k, x in enumerate(sizes) if k != self.peers[hop][self.coord[hop]])
-        return total * WIRE_DTYPE.itemsize
+        return total * self.wire_dtype.itemsize
 
 
 def exchange_buckets(items: Sequence[tuple[DTensor, tuple[int, ...]]], bucket_numel: int
