@@ -464,7 +464,7 @@ class LowBitMuon(torch.optim.Optimizer):
             tensor.sr_base, tensor.sr_row_stride = row0 * p.shape[1] + col0, p.shape[1]
             m, u = momentum_and_input(cfg, tensor, g, hyper)
             moments.append(m)
-            inputs.append(u)
+            inputs.append(u.to(exchange.wire_dtype))  # what travels, rounded now: the fp32 copy is not kept
 
         def orthogonalise(j: int, whole: torch.Tensor) -> torch.Tensor:
             hyper = matrices[j][2]
