@@ -305,3 +305,14 @@ def test_tp_shard_that_splits_blocks_is_refused_by_name(four):
     err = four["tp_block_error"]
     assert err is not None and "param '1.weight'" in err and "block_size=16" in err, err
 
+
+
+def test_owners_balance_elements_across_buckets():
+    """Largest first, to the least loaded rank; a later bucket of the same mesh starts from
+    the load the earlier ones left (else rank 0 would take every bucket's odd matrix)."""
+    from titan_lowbit.optim.muon_exchange import balanced_owners
+
+    load = [0, 0]
+    assert balanced_owners([5, 5, 5], load) == [0, 1, 0] and load == [10, 5]
+    assert balanced_owners([5], load) == [1] and load == [10, 10]
+    assert balanced_owners([1, 7, 3], [0, 0, 0]) == [2, 0, 1]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -445,9 +446,13 @@ class LowBitMuon(torch.optim.Optimizer):
         items = [(i, p, dims) for i, p, dims in items if dims]
         key = (self.exchange_bucket_numel, *(id(p) for _, p, _ in items))
         if self._exchanges is None or self._exchanges[0] != key:
-            built = []
+            built, loads = [], {}  # loads: elements owned per position, per mesh, over its buckets
             for positions, dims in exchange_buckets([(p, dims) for _, p, dims in items], self.exchange_bucket_numel):
-                built.append(([items[k][0] for k in positions], OwnerExchange([items[k][1] for k in positions], dims)))
+                first = items[positions[0]][1]
+                load = loads.setdefault((first.device_mesh, dims), [0] * math.prod(first.device_mesh.size(d)
+                                                                                  for d in dims))
+                built.append(([items[k][0] for k in positions],
+                              OwnerExchange([items[k][1] for k in positions], dims, load=load)))
             self._exchanges = (key, built)
         return self._exchanges[1]
 

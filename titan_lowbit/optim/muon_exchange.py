@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -83,10 +83,11 @@ def split_dims(p: torch.Tensor, name: str) -> tuple[int, ...]:
     return tuple(dims)
 
 
-def balanced_owners(numels: Sequence[int], positions: int) -> list[int]:
+def balanced_owners(numels: Sequence[int], load: list[int]) -> list[int]:
     """Owner position of each matrix: the largest first, each to the position that owns
-    the fewest elements so far (the lowest such position on a tie)."""
-    load = [0] * positions
+    the fewest elements so far (the lowest such position on a tie). ``load``: the elements
+    each position owns already (earlier buckets), updated here."""
+    positions = len(load)
     owner = [0] * len(numels)
     for j in sorted(range(len(numels)), key=lambda j: (-numels[j], j)):
         owner[j] = min(range(positions), key=lambda k: (load[k], k))
@@ -99,9 +100,12 @@ class OwnerExchange:
     dimensions that split them. Building it is a collective on those dimensions' process
     groups (every rank learns every shard's rectangle); so is ``run``."""
 
-    def __init__(self, params: Sequence[DTensor], dims: tuple[int, ...], wire_dtype: torch.dtype = WIRE_DTYPE):
+    def __init__(self, params: Sequence[DTensor], dims: tuple[int, ...], wire_dtype: torch.dtype = WIRE_DTYPE,
+                 load: Optional[list[int]] = None):
         """``wire_dtype``: what travels; anything but bf16 is for comparisons (a benchmark
-        of an fp32 exchange), not the optimizer's exactness."""
+        of an fp32 exchange), not the optimizer's exactness. ``load``: elements owned per
+        position (flattened over ``dims``) by earlier buckets of the same mesh, which the
+        owners of this one balance against; updated here."""
         mesh = params[0].device_mesh
         self.wire_dtype = wire_dtype
         self.dims = dims
@@ -123,7 +127,8 @@ class OwnerExchange:
         self.device = local(params[0]).device
         self.rects = self._gather_rects(params)
         self.coords: list[Coord] = list(itertools.product(*(range(s) for s in self.sizes)))
-        owners = balanced_owners([math.prod(s) for s in self.shapes], len(self.coords))
+        load = [0] * len(self.coords) if load is None else load
+        owners = balanced_owners([math.prod(s) for s in self.shapes], load)
         self.owner: list[Coord] = [self.coords[k] for k in owners]
         self._routes: dict[tuple[int, bool], tuple] = {}
 
