@@ -30,7 +30,10 @@ lands in the weight by the same rules (and the same code) as AdamW's step:
 ``adamw_lowbit_ref.land_weight``.
 
 This is the only implementation so far (no fused Triton kernel yet): it runs on any
-device, in the same ops on the GPU as on the CPU.
+device, in the same ops on the GPU as on the CPU. It comes in phases
+(``momentum_and_input``, ``newton_schulz``, ``new_weight``, ``write_step``) so that a
+sharded matrix (``titan_lowbit.optim.muon_exchange``) runs the elementwise phases on its
+shard and Newton-Schulz on the whole matrix, with the same ops as ``muon_step_reference``.
 """
 
 from __future__ import annotations
@@ -92,7 +95,12 @@ class MuonTensor:
     momentum: torch.Tensor  # plain [rows, cols], or codes (4-bit: [rows, ceil(cols / 2)])
     momentum_scale: Optional[torch.Tensor]  # fp32 [rows, ceil(cols / block)] absmax, or None
     extra: Optional[torch.Tensor]  # the weight update's state (master, remainder, Kahan), or None
-    sr_key: int = 0  # stochastic rounding: the tensor's key (its global index is row * cols + col)
+    sr_key: int = 0  # stochastic rounding: the tensor's key
+    # Stochastic rounding's global element index of element (r, c) is sr_base + r * sr_row_stride
+    # + c: a whole matrix's row * cols + col (sr_row_stride None: cols); a shard's, the index of
+    # the same element in the whole matrix, so sharded and whole round alike.
+    sr_base: int = 0
+    sr_row_stride: Optional[int] = None
 
 
 @dataclasses.dataclass
@@ -123,21 +131,49 @@ def store_momentum(cfg: MuonConfig, t: MuonTensor, m: torch.Tensor) -> None:
     t.momentum_scale.copy_(absmax)
 
 
+def momentum_and_input(cfg: MuonConfig, t: MuonTensor, grad: torch.Tensor,
+                       hyper: MuonHyper) -> tuple[torch.Tensor, torch.Tensor]:
+    """(new momentum ``M``, Newton-Schulz input ``U``), both fp32 and elementwise: a shard
+    of the matrix gives the shard of both."""
+    g = grad.to(torch.float32)
+    m = load_momentum(cfg, t).lerp(g, 1.0 - hyper.momentum)
+    return m, (g.lerp(m, hyper.momentum) if cfg.nesterov else m)
+
+
+def new_weight(cfg: MuonConfig, t: MuonTensor, o: torch.Tensor, hyper: MuonHyper,
+               shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 weight the step starts from, new fp32 weight) of ``t`` (a whole matrix or a
+    shard) given its part ``o`` of the orthogonalised update of the whole matrix, whose
+    ``shape`` sets the update's scale."""
+    rows, cols = t.param.shape
+    p = weight_fp32(t.param, t.extra, cfg.weight_update, rows, cols)
+    step_size = hyper.lr * update_scale(*shape, hyper.matched_rms)
+    return p, p * (1.0 - hyper.lr * hyper.weight_decay) - step_size * o.to(torch.float32)
+
+
+def finite(m: torch.Tensor, p_new: torch.Tensor) -> torch.Tensor:
+    """0-d bool: whether the new momentum and weight hold no inf/nan (no host sync)."""
+    return torch.isfinite(m).all() & torch.isfinite(p_new).all()
+
+
+def write_step(cfg: MuonConfig, t: MuonTensor, m: torch.Tensor, p: torch.Tensor, p_new: torch.Tensor,
+               hyper: MuonHyper) -> None:
+    """Store the new momentum and land the new weight (its ``weight_update`` rule)."""
+    cols = t.param.shape[1]
+    store_momentum(cfg, t, m)
+    stride = cols if t.sr_row_stride is None else t.sr_row_stride
+    land_weight(t.param, t.extra, p, p_new, cfg.weight_update, (t.sr_base, stride, t.sr_key, step_key(hyper.step)))
+
+
 def muon_step_reference(cfg: MuonConfig, t: MuonTensor, grad: torch.Tensor, hyper: MuonHyper,
                         guarded: bool = True) -> bool:
-    """Step one matrix in place. ``guarded``: where the new momentum or weight would hold
-    an inf/nan, write neither and return False (the caller names the parameter); else
+    """Step one whole matrix in place. ``guarded``: where the new momentum or weight would
+    hold an inf/nan, write neither and return False (the caller names the parameter); else
     write both and return True."""
-    rows, cols = t.param.shape
-    g = grad.to(torch.float32)
-    p = weight_fp32(t.param, t.extra, cfg.weight_update, rows, cols)
-    m = load_momentum(cfg, t).lerp(g, 1.0 - hyper.momentum)
-    u = g.lerp(m, hyper.momentum) if cfg.nesterov else m
-    o = newton_schulz(u, hyper.ns_steps, hyper.ns_coefficients).to(torch.float32)
-    step_size = hyper.lr * update_scale(rows, cols, hyper.matched_rms)
-    p_new = p * (1.0 - hyper.lr * hyper.weight_decay) - step_size * o
-    if guarded and not bool(torch.isfinite(m).all() & torch.isfinite(p_new).all()):
+    m, u = momentum_and_input(cfg, t, grad, hyper)
+    o = newton_schulz(u, hyper.ns_steps, hyper.ns_coefficients)
+    p, p_new = new_weight(cfg, t, o, hyper, tuple(t.param.shape))
+    if guarded and not bool(finite(m, p_new)):
         return False
-    store_momentum(cfg, t, m)
-    land_weight(t.param, t.extra, p, p_new, cfg.weight_update, (0, cols, t.sr_key, step_key(hyper.step)))
+    write_step(cfg, t, m, p, p_new, hyper)
     return True

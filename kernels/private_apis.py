@@ -193,7 +193,15 @@ PRIVATE_USES = (
         "torch", ("titan_lowbit/optim/",),
         ("torch.distributed.tensor._utils.compute_local_shape_and_global_offset",),
         "the global offset of a DTensor shard (stochastic-rounding streams that do not "
-        "depend on the sharding)",
+        "depend on the sharding; the rectangles that sharded Muon's exchange assembles "
+        "whole matrices from)",
+        None),
+    PrivateUse(
+        "torch", ("titan_lowbit/optim/muon_exchange.py",),
+        ("torch.distributed.tensor.placement_types._StridedShard",),
+        "recognising FSDP2's strided shard of a tensor-parallel dimension, whose shards are "
+        "rectangles that sharded Muon's exchange can assemble (DTensor has no public name "
+        "for it, and its is_shard() says False)",
         None),
 )
 

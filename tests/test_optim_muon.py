@@ -318,16 +318,18 @@ def test_state_bytes_per_param():
     assert math.isclose(opt.state_bytes_per_param(), want)
 
 
-def test_sharded_matrices_are_refused(tmp_path):
+def test_a_placement_the_exchange_cannot_assemble_is_refused(tmp_path):
+    """Sharded matrices are stepped (tests/test_optim_muon_sharded.py); a placement whose
+    shards are not rectangles of the matrix (here Partial) is refused at construction."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
-        w = torch.nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)]))
-        with pytest.raises(TypeError, match="param 'w' is a DTensor.*FSDP2"):
+        w = torch.nn.Parameter(DTensor.from_local(torch.randn(8, 8), mesh, [Partial()]))
+        with pytest.raises(ValueError, match="param 'w' is placed P.*on mesh dimension 0"):
             LowBitMuon([("w", w)])
     finally:
         dist.destroy_process_group()

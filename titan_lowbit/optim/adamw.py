@@ -27,9 +27,9 @@ from .group_options import (
     FIXED_OPTIONS,
     NONFINITE_POLICIES,
     SKIPPED,
-    SUPPORTED_PARAM_DTYPES,
     check_group,
     check_param,
+    checked_local_grad,
 )
 from .hyperparams import hyper_value
 from .nonfinite import DeferredNonfiniteCheck, describe, precheck_launch, precheck_result
@@ -313,22 +313,7 @@ class LowBitAdamW(torch.optim.Optimizer):
     # the step
     # ------------------------------------------------------------------------------------
     def _check_grad(self, p: torch.Tensor) -> torch.Tensor:
-        g = p.grad
-        name = self._name(p)
-        if g.is_sparse or (isinstance(g, DTensor) and g._local_tensor.is_sparse):
-            raise RuntimeError(f"param '{name}' has a sparse gradient; LowBitAdamW needs dense gradients "
-                               "(e.g. nn.Embedding(sparse=False))")
-        if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
-            # Tensor parallel can leave a gradient Replicate/Partial where its parameter is
-            # Shard (e.g. a row-wise parallel embedding); the update needs the param's shard.
-            g = g.redistribute(p.device_mesh, p.placements)
-        lg = local(g)
-        if lg.dtype not in SUPPORTED_PARAM_DTYPES:
-            raise TypeError(f"param '{name}' has a {lg.dtype} gradient; use float32 or bfloat16 gradients")
-        if lg.shape != local(p).shape:
-            raise ValueError(f"param '{name}': gradient shape {tuple(lg.shape)} != parameter shape "
-                             f"{tuple(local(p).shape)}")
-        return lg if lg.is_contiguous() else lg.contiguous()
+        return checked_local_grad(p, self._name(p), "LowBitAdamW")
 
     def _nonfinite_param(self, plan: StepPlan,
                          flags: list[tuple[list[int], torch.Tensor]]) -> tuple[Optional[str], str]:

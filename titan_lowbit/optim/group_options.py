@@ -96,6 +96,27 @@ def check_state_options(group: dict[str, Any], where: str) -> None:
         raise ValueError(f"{where}: min_quantized_numel={group['min_quantized_numel']!r}; use an int >= 0")
 
 
+def checked_local_grad(p: torch.Tensor, name: str, who: str) -> torch.Tensor:
+    """The contiguous local gradient of parameter ``p`` (named ``name``) placed like it,
+    refused naming the parameter unless dense, float32/bfloat16 and of its shape; ``who``:
+    the optimizer, for the errors."""
+    g = p.grad
+    if g.is_sparse or (isinstance(g, DTensor) and g._local_tensor.is_sparse):
+        raise RuntimeError(f"param '{name}' has a sparse gradient; {who} needs dense gradients "
+                           "(e.g. nn.Embedding(sparse=False))")
+    if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+        # Tensor parallel can leave a gradient Replicate/Partial where its parameter is
+        # Shard (e.g. a row-wise parallel embedding); the update needs the param's shard.
+        g = g.redistribute(p.device_mesh, p.placements)
+    lg = local(g)
+    if lg.dtype not in SUPPORTED_PARAM_DTYPES:
+        raise TypeError(f"param '{name}' has a {lg.dtype} gradient; use float32 or bfloat16 gradients")
+    if lg.shape != local(p).shape:
+        raise ValueError(f"param '{name}': gradient shape {tuple(lg.shape)} != parameter shape "
+                         f"{tuple(local(p).shape)}")
+    return lg if lg.is_contiguous() else lg.contiguous()
+
+
 def check_param(p: torch.Tensor, group: dict[str, Any], name: str) -> None:
     """Refuse a parameter LowBitAdamW cannot step, naming it and the fix."""
     if p.is_complex():

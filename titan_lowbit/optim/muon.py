@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -31,15 +32,21 @@ from titan_lowbit.kernels.muon_ref import (
     MuonConfig,
     MuonHyper,
     MuonTensor,
+    finite,
+    momentum_and_input,
     muon_step_reference,
+    new_weight,
+    newton_schulz,
+    write_step,
 )
 from titan_lowbit.fqn_fragments import selects
 from titan_lowbit.kernels.quant_maps import tensor_key
 
 from .adamw import LowBitAdamW
 from .formats import param_format, weight_update_specs
-from .group_options import NONFINITE_POLICIES, SKIPPED, SUPPORTED_PARAM_DTYPES, check_param, fixed_value
+from .group_options import NONFINITE_POLICIES, SKIPPED, check_param, checked_local_grad, fixed_value
 from .hyperparams import hyper_value
+from .muon_exchange import EXCHANGE_BUCKET_NUMEL, OwnerExchange, exchange_buckets, split_dims
 from .muon_groups import (
     DEFAULT_ADAMW_FQNS,
     MUON_FIXED_OPTIONS,
@@ -51,6 +58,7 @@ from .muon_groups import (
     suits_muon,
 )
 from .state_dict import EntrySpec, check_kind, check_param_state, load_with_checks, raise_value_problems
+from .tensors import is_distributed, like_param, local
 
 logger = logging.getLogger(__name__)
 
@@ -93,14 +101,26 @@ class LowBitMuon(torch.optim.Optimizer):
             fragment must select a parameter.
         adamw_options: more ``LowBitAdamW`` keywords for the AdamW part (``betas``,
             ``eps``, ``lr``, ...), over the shared ones above.
+        exchange_bucket_numel: sharded matrices (FSDP2, HSDP, TP) are orthogonalised in
+            buckets of at most this many elements (global; a larger matrix is a bucket of
+            its own): each bucket is one exchange (``muon_exchange``), and what a step
+            holds besides the states (the new momentum, the Newton-Schulz input and
+            output, the old and new weight of each local shard, and the whole matrices
+            this rank orthogonalises) is one bucket's.
 
     Every option of either part can be set per param group. ``state_dict()`` is torch's
     flat layout (one ``state`` entry per parameter, ``param_groups`` with ``use_muon``),
     plain tensors that ``torch.save``/``torch.load(weights_only=True)`` round-trip.
 
-    Not yet: sharded parameters (FSDP2, TP: refused with an error), a fused kernel (the
-    momentum is dequantized, updated and requantized in PyTorch ops,
-    ``kernels.muon_ref``), torchtitan registration.
+    Sharded parameters (DTensors: FSDP2's Shard(0), HSDP, tensor parallel's Shard(0) and
+    Shard(1)) keep states that are DTensors placed like them, in the block layout of the
+    whole matrix (a shard that would split a quantization block is refused at
+    construction, naming the parameter); each sharded matrix is orthogonalised whole by
+    one owner rank (``muon_exchange``), and the step gives the same bits as on one
+    process holding the whole parameters.
+
+    Not yet: a fused kernel (the momentum is dequantized, updated and requantized in
+    PyTorch ops, ``kernels.muon_ref``), torchtitan registration.
     """
 
     def __init__(self, params: Iterable[Any], lr: "float | torch.Tensor" = _ADAMW_DEFAULTS["lr"],
@@ -112,7 +132,8 @@ class LowBitMuon(torch.optim.Optimizer):
                  block_size: int = _ADAMW_DEFAULTS["block_size"],
                  min_quantized_numel: int = _ADAMW_DEFAULTS["min_quantized_numel"],
                  seed: int = _ADAMW_DEFAULTS["seed"], nonfinite_grad: str = _ADAMW_DEFAULTS["nonfinite_grad"],
-                 adamw_fqns: Optional[Sequence[str]] = None, adamw_options: Optional[dict[str, Any]] = None):
+                 adamw_fqns: Optional[Sequence[str]] = None, adamw_options: Optional[dict[str, Any]] = None,
+                 exchange_bucket_numel: int = EXCHANGE_BUCKET_NUMEL):
         if nonfinite_grad not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite_grad={nonfinite_grad!r}: choose one of {NONFINITE_POLICIES}")
         if not isinstance(seed, int) or seed < 0:
@@ -126,8 +147,15 @@ class LowBitMuon(torch.optim.Optimizer):
             raise ValueError(f"adamw_options {own or unknown}: " + (
                 "set these on LowBitMuon itself (they are the whole optimizer's or Muon's)" if own else
                 f"not LowBitAdamW keywords; it takes {sorted(_ADAMW_DEFAULTS)}"))
+        if isinstance(exchange_bucket_numel, bool) or not isinstance(exchange_bucket_numel, int) \
+                or exchange_bucket_numel < 1:
+            raise ValueError(f"exchange_bucket_numel={exchange_bucket_numel!r}: use an int >= 1 (elements)")
         self.seed = seed
         self.nonfinite_grad = nonfinite_grad
+        self.exchange_bucket_numel = exchange_bucket_numel
+        # Sharded matrices' exchanges, built (a collective) by the first step of a set of
+        # parameters with gradients: (their keys, [(positions, OwnerExchange)]).
+        self._exchanges: Optional[tuple[tuple, list]] = None
         self.adamw_fqns = tuple(DEFAULT_ADAMW_FQNS if adamw_fqns is None else adamw_fqns)
         self._adamw_kwargs = dict(lr=lr, weight_decay=weight_decay, state_format=state_format,
                                   weight_update=weight_update, block_size=block_size,
@@ -174,6 +202,7 @@ class LowBitMuon(torch.optim.Optimizer):
         ``copy.deepcopy`` or a pickle steps like the original; torch's own keeps only
         defaults, state and param_groups. Torch's hooks are left behind."""
         own = {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_")}
+        own["_exchanges"] = None  # process groups: rebuilt by the next step
         return {**own, **super().__getstate__()}
 
     # ------------------------------------------------------------------------------------
@@ -277,21 +306,22 @@ class LowBitMuon(torch.optim.Optimizer):
             self._names[p] = self._param_name(gi, pi, p, group)
             self._order[p] = len(self._order)
             state = self.state[p]
-            for key, (shape, dtype, _) in muon_state_specs(p, group).items():
-                state[key] = torch.zeros(shape, dtype=dtype, device=p.device)
+            for key, (shape, dtype, gshape) in muon_state_specs(p, group).items():
+                state[key] = like_param(p, torch.zeros(shape, dtype=dtype, device=local(p).device), gshape)
             if "master" in state:
-                state["master"].copy_(p.detach())
+                local(state["master"]).copy_(local(p).detach())
                 self._master_pending.add(p)
             state["step"] = torch.tensor(0.0)
 
     def state_bytes_per_param(self) -> float:
-        """Optimizer-state bytes per parameter element, both parts (``step`` excluded)."""
+        """Optimizer-state bytes per parameter element, both parts (local shards; ``step``
+        excluded)."""
         nbytes = numel = 0
         for p in self.muon_params():
-            numel += p.numel()
-            nbytes += sum(v.numel() * v.element_size() for k, v in self.state[p].items() if k != "step")
+            numel += local(p).numel()
+            nbytes += sum(local(v).numel() * v.element_size() for k, v in self.state[p].items() if k != "step")
         if self._adamw is not None:
-            n = sum(p.numel() for g in self._adamw.param_groups for p in g["params"])
+            n = sum(local(p).numel() for g in self._adamw.param_groups for p in g["params"])
             nbytes += self._adamw.state_bytes_per_param() * n
             numel += n
         return nbytes / max(numel, 1)
@@ -317,20 +347,15 @@ class LowBitMuon(torch.optim.Optimizer):
                                  f"optimizer with {k}={now!r}")
 
     def _check_grad(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-        g, name = p.grad, self._names[p]
-        if isinstance(g, DTensor) or g.is_sparse:
-            raise RuntimeError(f"param '{name}' has a {'sparse' if g.is_sparse else 'DTensor'} gradient; Muon "
-                               "needs a dense, unsharded gradient")
-        if g.dtype not in SUPPORTED_PARAM_DTYPES:
-            raise TypeError(f"param '{name}' has a {g.dtype} gradient; use float32 or bfloat16 gradients")
-        if g.shape != p.shape:
-            raise ValueError(f"param '{name}': gradient shape {tuple(g.shape)} != parameter shape {tuple(p.shape)}")
-        have = {k: (tuple(v.shape), v.dtype) for k, v in self.state[p].items() if k != "step"}
+        name = self._names[p]
+        g = checked_local_grad(p, name, "LowBitMuon")
+        loc = local(p)
+        have = {k: (tuple(local(v).shape), v.dtype) for k, v in self.state[p].items() if k != "step"}
         want = {k: (shape, dtype) for k, (shape, dtype, _) in muon_state_specs(p, group).items()}
         if have != want:
-            raise ValueError(f"param '{name}' is now {p.dtype} of shape {tuple(p.shape)}, which its optimizer "
-                             f"state does not fit (it holds {have}, it needs {want}); no parameter was stepped. "
-                             "Build a new optimizer for the changed model")
+            raise ValueError(f"param '{name}' is now {p.dtype} of (local) shape {tuple(loc.shape)}, which its "
+                             f"optimizer state does not fit (it holds {have}, it needs {want}); no parameter was "
+                             "stepped. Build a new optimizer for the changed model")
         return g
 
     def _muon_work(self) -> list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]]:
@@ -348,7 +373,7 @@ class LowBitMuon(torch.optim.Optimizer):
         self._check_groups()
         work = self._muon_work()
         if self.nonfinite_grad == "skip":
-            bad = next((self._names[p] for _, p, g in work if not bool(torch.isfinite(g).all())), None)
+            bad = self._nonfinite_muon_grad(work)
             if bad is None and self._adamw is not None:
                 bad = self._adamw.find_nonfinite_grad()
             if bad is not None:
@@ -361,23 +386,19 @@ class LowBitMuon(torch.optim.Optimizer):
                 self._adamw.grads_checked = True
         if self._adamw is not None:
             self._adamw.step()
-        failed = []
-        for group, p, g in work:
-            state = self.state[p]
-            if p in self._master_pending:  # as LowBitAdamW: weights loaded after construction count
-                state["master"].copy_(p)
-                self._master_pending.discard(p)
-            cfg, tensor = muon_tensor(p, group, state, tensor_key(self.seed, _MUON_KEY_OFFSET + self._order[p]))
-            where = f"param group of '{self._names[p]}'"
-            hyper = MuonHyper(lr=hyper_value(where, "lr", group["lr"]),
-                              momentum=hyper_value(where, "momentum", group["momentum"]),
-                              weight_decay=hyper_value(where, "weight_decay", group["weight_decay"]),
-                              ns_steps=group["ns_steps"], ns_coefficients=tuple(map(float, group["ns_coefficients"])),
-                              matched_rms=hyper_value(where, "matched_rms", group["matched_rms"]),
-                              step=int(state["step"]) + 1)
-            if not muon_step_reference(cfg, tensor, g, hyper, guarded=self.nonfinite_grad != "ignore"):
-                failed.append(self._names[p])
-            state["step"] += 1
+        guarded = self.nonfinite_grad != "ignore"
+        matrices = [self._matrix(group, p) for group, p, _ in work]
+        ok = [True] * len(work)
+        for i, ((_, p, g), (cfg, tensor, hyper)) in enumerate(zip(work, matrices)):
+            if not split_dims(p, self._names[p]):  # the whole matrix is here
+                ok[i] = muon_step_reference(cfg, tensor, g, hyper, guarded=guarded)
+        for idx, exchange in self._sharded(work):
+            for i, good in zip(idx, self._step_sharded(exchange, [work[i] for i in idx],
+                                                       [matrices[i] for i in idx], guarded)):
+                ok[i] = good
+        for _, p, _ in work:
+            self.state[p]["step"] += 1
+        failed = [self._names[p] for (_, p, _), good in zip(work, ok) if not good]
         if failed:
             raise FloatingPointError(
                 f"a non-finite gradient or update in param '{failed[0]}'"
@@ -386,6 +407,86 @@ class LowBitMuon(torch.optim.Optimizer):
                 "as they were, the rest of the model took the step. Fix the loss scale / learning rate (or load "
                 "a good checkpoint) and resume, or build the optimizer with nonfinite_grad='skip'")
         return loss
+
+    def _nonfinite_muon_grad(self, work: list) -> Optional[str]:
+        """The name of a Muon parameter with an inf/nan gradient, '' if only another rank
+        has one (sharded parameters: every rank takes the same decision), None if none has."""
+        bad = next((self._names[p] for _, p, g in work if not bool(torch.isfinite(g).all())), None)
+        params = [p for _, p, _ in work]
+        if is_distributed(params):
+            dev = torch.device("cpu") if torch.distributed.get_backend() == "gloo" else local(params[0]).device
+            flag = torch.tensor([0 if bad is None else 1], dtype=torch.int32, device=dev)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            if bad is None and int(flag.item()):
+                return ""
+        return bad
+
+    def _matrix(self, group: dict[str, Any], p: torch.Tensor) -> tuple[MuonConfig, MuonTensor, MuonHyper]:
+        """The reference step's view of Muon matrix ``p`` (its master weights taken now if
+        pending, as LowBitAdamW does: weights loaded after construction count)."""
+        state = self.state[p]
+        if p in self._master_pending:
+            local(state["master"]).copy_(local(p))
+            self._master_pending.discard(p)
+        cfg, tensor = muon_tensor(p, group, state, tensor_key(self.seed, _MUON_KEY_OFFSET + self._order[p]))
+        where = f"param group of '{self._names[p]}'"
+        hyper = MuonHyper(lr=hyper_value(where, "lr", group["lr"]),
+                          momentum=hyper_value(where, "momentum", group["momentum"]),
+                          weight_decay=hyper_value(where, "weight_decay", group["weight_decay"]),
+                          ns_steps=group["ns_steps"], ns_coefficients=tuple(map(float, group["ns_coefficients"])),
+                          matched_rms=hyper_value(where, "matched_rms", group["matched_rms"]),
+                          step=int(state["step"]) + 1)
+        return cfg, tensor, hyper
+
+    def _sharded(self, work: list) -> list[tuple[list[int], OwnerExchange]]:
+        """The exchanges of this step's sharded matrices, with their positions in ``work``;
+        built when the set of sharded matrices with gradients changes (a collective: every
+        rank of their meshes steps the same parameters)."""
+        items = [(i, p, split_dims(p, self._names[p])) for i, (_, p, _) in enumerate(work)]
+        items = [(i, p, dims) for i, p, dims in items if dims]
+        key = (self.exchange_bucket_numel, *(id(p) for _, p, _ in items))
+        if self._exchanges is None or self._exchanges[0] != key:
+            built, loads = [], {}  # loads: elements owned per position, per mesh, over its buckets
+            for positions, dims in exchange_buckets([(p, dims) for _, p, dims in items], self.exchange_bucket_numel):
+                first = items[positions[0]][1]
+                load = loads.setdefault((first.device_mesh, dims), [0] * math.prod(first.device_mesh.size(d)
+                                                                                  for d in dims))
+                built.append(([items[k][0] for k in positions],
+                              OwnerExchange([items[k][1] for k in positions], dims, load=load)))
+            self._exchanges = (key, built)
+        return self._exchanges[1]
+
+    @staticmethod
+    def _step_sharded(exchange: OwnerExchange, work: list, matrices: list, guarded: bool) -> list[bool]:
+        """Step one bucket of sharded matrices: the elementwise phases of the reference on
+        each local shard, Newton-Schulz on the whole matrix at its owner; returns per
+        matrix whether it was written (the non-finite guard decides on every shard's
+        values, on every rank alike)."""
+        rects = exchange.rects[exchange.coord]
+        moments, inputs = [], []
+        for j, ((_, p, g), (cfg, tensor, hyper)) in enumerate(zip(work, matrices)):
+            row0, col0 = rects[j][0], rects[j][1]
+            tensor.sr_base, tensor.sr_row_stride = row0 * p.shape[1] + col0, p.shape[1]
+            m, u = momentum_and_input(cfg, tensor, g, hyper)
+            moments.append(m)
+            inputs.append(u.to(exchange.wire_dtype))  # what travels, rounded now: the fp32 copy is not kept
+
+        def orthogonalise(j: int, whole: torch.Tensor) -> torch.Tensor:
+            hyper = matrices[j][2]
+            return newton_schulz(whole, hyper.ns_steps, hyper.ns_coefficients)
+
+        outputs = exchange.run(inputs, orthogonalise)
+        del inputs
+        weights = [new_weight(cfg, tensor, o, hyper, tuple(p.shape))
+                   for (_, p, _), (cfg, tensor, hyper), o in zip(work, matrices, outputs)]
+        ok = [True] * len(work)
+        if guarded:
+            ok = exchange.all_finite(torch.stack([finite(m, p_new) for m, (_, p_new) in zip(moments, weights)]))
+            ok = ok.tolist()
+        for good, m, (p_old, p_new), (cfg, tensor, hyper) in zip(ok, moments, weights, matrices):
+            if good:
+                write_step(cfg, tensor, m, p_old, p_new, hyper)
+        return ok
 
     def check_nonfinite(self) -> None:
         """The AdamW part's pending non-finite check (``LowBitAdamW.check_nonfinite``);
@@ -459,8 +560,10 @@ class LowBitMuon(torch.optim.Optimizer):
                 codec = param_format(p, group)[0].m_codec
                 specs = {k: EntrySpec(gshape, shape, dtype, check_kind(k), codec)
                          for k, (shape, dtype, gshape) in muon_state_specs(p, group).items()}
-                loaded.append(check_param_state(p, name, state, specs, None, group, checks, where))
-        raise_value_problems(checks, where, False)
+                own = next(iter(v for k, v in self.state[p].items() if k != "step"))
+                loaded.append(check_param_state(p, name, state, specs, own if isinstance(own, DTensor) else None,
+                                                group, checks, where))
+        raise_value_problems(checks, where, is_distributed(self.muon_params()))
         adamw_ids = {i for g in adamw_groups for i in g["params"]}
         adamw_sd = None if not adamw_groups else {
             "state": {k: v for k, v in sd["state"].items() if k in adamw_ids}, "param_groups": adamw_groups}
@@ -482,7 +585,9 @@ class LowBitMuon(torch.optim.Optimizer):
         self._master_pending = set(self._master_pending)
         for p, values, step in checked["muon"]:
             for key, value in values.items():
-                self.state[p][key].copy_(value)
+                dst, src = local(self.state[p][key]), local(value)
+                if dst.data_ptr() != src.data_ptr() or dst.device != src.device:  # DCP loads in place
+                    dst.copy_(src)
             self.state[p]["step"] = torch.tensor(step)
             self._master_pending.discard(p)  # a loaded master is kept
         self.skipped_steps = checked["skipped"]
@@ -510,24 +615,28 @@ def _params_and_names(group: dict[str, Any]) -> tuple[list[torch.Tensor], Option
 
 
 def muon_state_specs(p: torch.Tensor, group: dict[str, Any]) -> dict[str, tuple]:
-    """State tensor name -> (shape, dtype, global shape) of a Muon matrix: its momentum in
-    the group's format (first-moment codec, the block layout of ``formats``) and the
-    extra state of its weight update."""
+    """State tensor name -> (local shape, dtype, global shape) of a Muon matrix: its
+    momentum in the group's format (first-moment codec, the block layout of ``formats``:
+    a shard's blocks are the whole matrix's blocks of its rows) and the extra state of its
+    weight update."""
     fmt, block = param_format(p, group)
-    shapes = fmt.moment_shapes(MOMENTUM, tuple(p.shape), block)
-    return {**{k: (shape, dtype, shape) for k, (shape, dtype) in shapes.items()}, **weight_update_specs(p, group)}
+    shapes = fmt.moment_shapes(MOMENTUM, tuple(local(p).shape), block)
+    gshapes = fmt.moment_shapes(MOMENTUM, tuple(p.shape), block)
+    return {**{k: (shape, dtype, gshapes[k][0]) for k, (shape, dtype) in shapes.items()},
+            **weight_update_specs(p, group)}
 
 
 def muon_tensor(p: torch.Tensor, group: dict[str, Any], state: dict[str, Any],
                 sr_key: int) -> tuple[MuonConfig, MuonTensor]:
-    """The reference step's view of one Muon matrix and its state."""
+    """The reference step's view of one Muon matrix (its local shard) and its state."""
     fmt, block = param_format(p, group)
     update = WEIGHT_UPDATES[group["weight_update"]] if p.dtype == torch.bfloat16 else UPDATE_NEAREST
     cfg = MuonConfig(codec=fmt.m_codec, state_bf16=fmt.plain_dtype == torch.bfloat16, block=block,
                      weight_update=update, nesterov=group["nesterov"])
     if fmt.quantized:
-        momentum, scale = state[f"{MOMENTUM}_codes"].view(torch.uint8), state[f"{MOMENTUM}_absmax"]
+        momentum, scale = local(state[f"{MOMENTUM}_codes"]).view(torch.uint8), local(state[f"{MOMENTUM}_absmax"])
     else:
-        momentum, scale = state[MOMENTUM], None
+        momentum, scale = local(state[MOMENTUM]), None
     extra = state.get("master", state.get("kahan_comp", state.get("master_remainder")))
-    return cfg, MuonTensor(param=p.data, momentum=momentum, momentum_scale=scale, extra=extra, sr_key=sr_key)
+    return cfg, MuonTensor(param=local(p.data), momentum=momentum, momentum_scale=scale,
+                           extra=None if extra is None else local(extra), sr_key=sr_key)

@@ -15,12 +15,11 @@ import math
 from typing import Any, Iterable, Optional
 
 import torch
-from torch.distributed.tensor import DTensor
-
 from titan_lowbit.fqn_fragments import selects
 
 from .group_options import check_lr, check_skipped, check_state_options
 from .hyperparams import hyper_value, shown
+from .muon_exchange import split_dims
 
 # Name fragments of the parameters Muon leaves to AdamW by default: the embedding tables
 # (torchtitan's tok_embeddings, Hugging Face's embed_tokens) and the output head
@@ -43,15 +42,11 @@ def suits_muon(p: torch.Tensor, name: Optional[str], adamw_fqns: Iterable[str]) 
 
 def check_muon_param(p: torch.Tensor, name: str) -> None:
     """Refuse a parameter Muon cannot step, naming it and the fix."""
-    if isinstance(p, DTensor):
-        raise TypeError(
-            f"param '{name}' is a DTensor (sharded: FSDP2 or tensor parallel); LowBitMuon does not step "
-            "sharded matrices yet (Newton-Schulz needs the whole matrix; sharded Muon comes with the "
-            "FSDP2 support of titan_lowbit issue 39). Train without FSDP2/TP, or use LowBitAdamW")
     if p.dim() != 2:
         raise ValueError(f"param '{name}' has shape {tuple(p.shape)}; Muon orthogonalises 2-D matrices only: "
                          f"put it in a param group with {USE_MUON}=False (AdamW), or leave {USE_MUON} out "
                          "and the shape decides")
+    split_dims(p, name)  # refuses placements the exchange cannot step
 
 
 def check_muon_group(group: dict[str, Any], where: str) -> None:

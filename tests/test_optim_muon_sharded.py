@@ -1,0 +1,318 @@
+"""LowBitMuon on sharded parameters (gloo, CPU): FSDP2 on 2 processes, FSDP2 x TP and
+HSDP on 4, each against one process holding the whole parameters.
+
+One run per process count (conftest.run_on_gloo) runs every scenario; rank 0's results
+go to the tests below:
+* states are DTensors placed like their parameters, in the whole matrix's block layout;
+* sharded steps give the same bits as unsharded ones (weights and states), for fp32,
+  8-bit and 4-bit momentum and bf16 weight updates (stochastic rounding included), with
+  the Muon matrices orthogonalised by their owner ranks and the AdamW part beside them;
+* the exchange sends what it says (bf16, the non-owners' shards both ways);
+* a DCP checkpoint (get/set_optimizer_state_dict) resumes bit for bit on 2 processes and
+  loads on 1 process (here, in the test process) equal to the unsharded optimizer's state;
+* a non-finite gradient in one rank's shard stops (or skips) the step on every rank;
+* a TP shard that would split a quantization block is refused naming the parameter.
+"""
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import run_on_gloo, train_mean_square
+
+# (state format, parameter dtype, bf16 weight update); the first is also the DCP case.
+CASES = [("8bit", torch.bfloat16, "stochastic"), ("fp32", torch.float32, "nearest"),
+         ("4bit", torch.bfloat16, "master_remainder"), ("fp8", torch.bfloat16, "kahan")]
+# Biases and the norm (sharded 1-D: FSDP2 splits their blocks) keep fp32 AdamW states.
+KW = dict(lr=2e-2, weight_decay=0.1, min_quantized_numel=1000, seed=5)
+SAVE_AFTER = 2  # steps before the DCP checkpoint; as many follow it
+
+
+def muon_model(dtype=torch.bfloat16):
+    """Three Muon matrices (0, 2 and 3's weights: wide, tall, wide) and AdamW parameters
+    (biases, the norm). 37 rows split 19 + 18 over 2 ranks; 300 columns end 8-bit's
+    blocks of 256 with a short one."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(300, 37), nn.LayerNorm(37), nn.Linear(37, 70, bias=False),
+                         nn.Linear(70, 16)).to(dtype)
+
+
+def inputs(n, dtype, width=300):
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randn(4, width, generator=gen).to(dtype) for _ in range(n)]
+
+
+def full(t):
+    """The whole tensor; fp8 as its bytes (gloo gathers neither fp8 nor int16: fp8 travels
+    as bytes, int16 as int32)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        loc, dtype = t._local_tensor, t.dtype
+        carrier = {torch.float8_e4m3fn: loc.view(torch.uint8), torch.int16: loc.to(torch.int32)}.get(dtype, loc)
+        t = DTensor.from_local(carrier, t.device_mesh, t.placements, shape=t.shape, stride=t.stride()).full_tensor()
+        t = t.to(torch.int16) if dtype == torch.int16 else t
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def same(model, opt, ref, ref_opt):
+    """Whether weights and every state entry equal the unsharded run's, bit for bit."""
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if not torch.equal(full(p.detach()), q.detach()):
+            return f"weight {name}"
+        for k, v in ref_opt.state[q].items():
+            if not torch.equal(full(opt.state[p][k]), full(v)):
+                return f"state {name}.{k}"
+    return True
+
+
+def fsdp(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    for mod in model:
+        if isinstance(mod, nn.Linear):
+            fully_shard(mod, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _two_processes(rank, ckpt_dir):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from titan_lowbit.optim import LowBitMuon
+
+    mesh = init_device_mesh("cpu", (2,))
+    res = {"equal": {}}
+    for fmt, dtype, update in CASES:
+        kw = dict(KW, state_format=fmt, weight_update=update)
+        xs = inputs(2 * SAVE_AFTER, dtype)
+        ref, sh = muon_model(dtype), fsdp(muon_model(dtype), mesh)
+        ref_opt = LowBitMuon(ref.named_parameters(), **kw)
+        opt = LowBitMuon(sh.named_parameters(), **kw)
+        if fmt == CASES[0][0]:
+            res["placements"] = {name: (str(p.placements), {k: (type(v).__name__, str(getattr(v, "placements", None)),
+                                                                tuple(v.shape), tuple(v._local_tensor.shape))
+                                                            for k, v in opt.state[p].items() if k != "step"})
+                                 for name, p in sh.named_parameters()}
+        train_mean_square(ref, ref_opt, xs[:SAVE_AFTER])
+        train_mean_square(sh, opt, xs[:SAVE_AFTER])
+        if fmt != CASES[0][0]:
+            train_mean_square(ref, ref_opt, xs[SAVE_AFTER:])
+            train_mean_square(sh, opt, xs[SAVE_AFTER:])
+            res["equal"][(fmt, update)] = same(sh, opt, ref, ref_opt)
+            continue
+        # What the exchange sent, over both ranks: every matrix's non-owner shards, in
+        # bf16, to the owner and back.
+        (idx, exchange), = opt._sharded(opt._muon_work())
+        sent = torch.tensor([exchange.bytes_sent()])
+        torch.distributed.all_reduce(sent)
+        mine = [exchange.rects[exchange.coord][j] for j in range(len(idx))]
+        res["exchange"] = (int(sent), exchange.shapes, [exchange.owner[j] for j in range(len(idx))],
+                           rank, mine)
+
+        # DCP checkpoint after SAVE_AFTER steps, then on: the run itself and a resumed one.
+        dcp.save({"optim": get_optimizer_state_dict(sh, opt)}, checkpoint_id=ckpt_dir)
+        res["saved_state"] = {name: {k: full(v).clone() for k, v in ref_opt.state[q].items()}
+                              for (name, _), q in zip(sh.named_parameters(), ref.parameters())}
+        res["saved_weights"] = {name: q.detach().clone() for name, q in ref.named_parameters()}
+        weights = [p.detach().clone() for p in sh.parameters()]
+        train_mean_square(ref, ref_opt, xs[SAVE_AFTER:])
+        train_mean_square(sh, opt, xs[SAVE_AFTER:])
+        res["equal"][(fmt, update)] = same(sh, opt, ref, ref_opt)
+
+        resumed = fsdp(muon_model(dtype), mesh)
+        with torch.no_grad():
+            for p, w in zip(resumed.parameters(), weights):
+                p.copy_(w)
+        opt2 = LowBitMuon(resumed.named_parameters(), **kw)
+        osd = get_optimizer_state_dict(resumed, opt2)
+        res["osd_types"] = sorted({type(v).__name__ for st in osd["state"].values() for v in st.values()})
+        dcp.load({"optim": osd}, checkpoint_id=ckpt_dir)
+        set_optimizer_state_dict(resumed, opt2, optim_state_dict=osd)
+        train_mean_square(resumed, opt2, xs[SAVE_AFTER:])
+        res["resumed_equal"] = same(resumed, opt2, ref, ref_opt)
+
+    # A nan in rank 1's shard of a Muon matrix: every rank stops, or skips, the step.
+    kw = dict(KW, state_format="8bit", weight_update="stochastic")
+    xs = inputs(2, torch.bfloat16)
+    for policy in ("raise", "skip"):
+        model = fsdp(muon_model(), mesh)
+        opt = LowBitMuon(model.named_parameters(), **kw, nonfinite_grad=policy)
+        train_mean_square(model, opt, xs[:1])
+        before = model[0].weight._local_tensor.clone()
+        opt.zero_grad()
+        model(xs[1]).float().square().mean().backward()
+        if rank == 1:
+            model[0].weight.grad._local_tensor[3, 5] = float("nan")
+        try:
+            opt.step()
+            res[policy] = (None, opt.skipped_steps)
+        except FloatingPointError as e:
+            res[policy] = (str(e), opt.skipped_steps)
+        res[policy] += (torch.equal(before, model[0].weight._local_tensor),)
+    return res
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("muon_sharded")
+    ckpt = folder / "ckpt"
+    res = run_on_gloo(functools.partial(_two_processes, ckpt_dir=str(ckpt)), 2, folder / "results.pt")
+    return res, ckpt
+
+
+def test_states_are_dtensors_placed_like_their_parameters(two):
+    pl = two[0]["placements"]
+    weight, states = pl["0.weight"]
+    assert weight == "(Shard(dim=0),)"
+    # 37 x 300: rows 19 + 18; 8-bit codes like the weight, one scale per block of 256 of a row
+    assert states["momentum_buffer_codes"] == ("DTensor", "(Shard(dim=0),)", (37, 300), (19, 300))
+    assert states["momentum_buffer_absmax"] == ("DTensor", "(Shard(dim=0),)", (37, 2), (19, 2))
+    assert pl["1.weight"][1]["exp_avg"][0] == "DTensor"  # the AdamW part (the norm), sharded as well
+
+
+@pytest.mark.parametrize("fmt,update", [(f, u) for f, _, u in CASES])
+def test_sharded_steps_equal_unsharded_bit_for_bit(two, fmt, update):
+    assert two[0]["equal"][(fmt, update)] is True
+
+
+def test_exchange_sends_the_non_owner_shards_in_bf16_both_ways(two):
+    sent, shapes, owners, _, _ = two[0]["exchange"]
+    assert shapes == [(37, 300), (70, 37), (16, 70)]
+    # owners balanced by size: the largest to rank 0, the next two to rank 1 (fewer elements)
+    assert owners == [(0,), (1,), (1,)]
+    rows = [(19, 18), (35, 35), (8, 8)]  # each rank's rows of each matrix
+    non_owner = sum(r[1 - o[0]] * s[1] for r, o, s in zip(rows, owners, shapes))
+    assert sent == 2 * 2 * non_owner  # bf16, to the owner and back
+
+
+def test_dcp_checkpoint_resumes_bit_for_bit(two):
+    assert "DTensor" in two[0]["osd_types"]
+    assert two[0]["resumed_equal"] is True
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # 1 process: what we want
+def test_two_process_checkpoint_loads_on_one_process(two):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    from titan_lowbit.optim import LowBitMuon
+
+    res, ckpt = two
+    fmt, dtype, update = CASES[0]
+    model = muon_model(dtype)
+    opt = LowBitMuon(model.named_parameters(), **KW, state_format=fmt, weight_update=update)
+    osd = get_optimizer_state_dict(model, opt)
+    dcp.load({"optim": osd}, checkpoint_id=str(ckpt), no_dist=True)
+    set_optimizer_state_dict(model, opt, optim_state_dict=osd)
+    for name, p in model.named_parameters():
+        want = res["saved_state"][name]
+        assert set(opt.state[p]) == set(want), name
+        for k, v in want.items():
+            assert torch.equal(full(opt.state[p][k]), v), (name, k)
+
+
+def test_nonfinite_gradient_in_one_shard_stops_or_skips_every_rank(two):
+    msg, skipped, unchanged = two[0]["raise"]
+    assert msg is not None and "param '0.weight'" in msg and skipped == 0 and unchanged
+    msg, skipped, unchanged = two[0]["skip"]
+    assert msg is None and skipped == 1 and unchanged
+
+
+# ---------------------------------------------------------------------------------------
+# 4 processes: FSDP2 x TP (2 x 2) and HSDP (2 replicas x 2 shards)
+# ---------------------------------------------------------------------------------------
+def tp_model(dtype=torch.bfloat16):
+    """A colwise (Shard(0) under TP; FSDP2 then shards its TP shards: strided) and a
+    rowwise (Shard(1)) matrix; 43 rows of the rowwise one split 22 + 21 by FSDP2."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 160, bias=False), nn.Linear(160, 43, bias=False)).to(dtype)
+
+
+def _four_processes(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from titan_lowbit.optim import LowBitMuon
+
+    res = {"equal": {}}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    # 8-bit blocks of 16: the rowwise matrix's 160 columns give each TP rank 80, whole blocks.
+    for fmt, dtype, update in CASES[:2]:
+        kw = dict(KW, state_format=fmt, weight_update=update, block_size=16 if fmt == "8bit" else 0)
+        xs = inputs(3, dtype, width=64)
+        ref, sh = tp_model(dtype), tp_model(dtype)
+        parallelize_module(sh, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+        fsdp(sh, mesh["dp"])
+        if fmt == "8bit":
+            res["tp_placements"] = [str(p.placements) for p in sh.parameters()]
+        ref_opt = LowBitMuon(ref.named_parameters(), **kw)
+        opt = LowBitMuon(sh.named_parameters(), **kw)
+        for x in xs:  # TP's matmuls round otherwise: the reference steps on the same gradients
+            opt.zero_grad()
+            sh(x).float().square().mean().backward()
+            for p, q in zip(sh.parameters(), ref.parameters()):
+                q.grad = p.grad.full_tensor()
+            opt.step()
+            ref_opt.step()
+        res["equal"][("tp", fmt, update)] = same(sh, opt, ref, ref_opt)
+
+    # The default 8-bit block of 256 does not fit an 80-column TP shard: refused by name.
+    sh = tp_model()
+    parallelize_module(sh, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    try:
+        LowBitMuon(sh.named_parameters(), **dict(KW, state_format="8bit"))
+        res["tp_block_error"] = None
+    except ValueError as e:
+        res["tp_block_error"] = str(e)
+
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    fmt, dtype, update = CASES[0]
+    kw = dict(KW, state_format=fmt, weight_update=update)
+    xs = inputs(3, dtype)
+    ref, sh = muon_model(dtype), fsdp(muon_model(dtype), hsdp)
+    res["hsdp_placements"] = str(sh[0].weight.placements)
+    ref_opt = LowBitMuon(ref.named_parameters(), **kw)
+    opt = LowBitMuon(sh.named_parameters(), **kw)
+    train_mean_square(ref, ref_opt, xs)
+    train_mean_square(sh, opt, xs)
+    res["equal"][("hsdp", fmt, update)] = same(sh, opt, ref, ref_opt)
+    return res
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    return run_on_gloo(_four_processes, 4, tmp_path_factory.mktemp("muon_sharded4") / "results.pt")
+
+
+@pytest.mark.parametrize("fmt,update", [(f, u) for f, _, u in CASES[:2]])
+def test_fsdp_x_tp_steps_equal_unsharded_bit_for_bit(four, fmt, update):
+    assert four["tp_placements"] == ["(_StridedShard(dim=0, sf=2), Shard(dim=0))", "(Shard(dim=0), Shard(dim=1))"]
+    assert four["equal"][("tp", fmt, update)] is True
+
+
+def test_hsdp_steps_equal_unsharded_bit_for_bit(four):
+    assert four["hsdp_placements"] == "(Replicate(), Shard(dim=0))"
+    assert four["equal"][("hsdp",) + (CASES[0][0], CASES[0][2])] is True
+
+
+def test_tp_shard_that_splits_blocks_is_refused_by_name(four):
+    err = four["tp_block_error"]
+    assert err is not None and "param '1.weight'" in err and "block_size=16" in err, err
+
+
+
+def test_owners_balance_elements_across_buckets():
+    """Largest first, to the least loaded rank; a later bucket of the same mesh starts from
+    the load the earlier ones left (else rank 0 would take every bucket's odd matrix)."""
+    from titan_lowbit.optim.muon_exchange import balanced_owners
+
+    load = [0, 0]
+    assert balanced_owners([5, 5, 5], load) == [0, 1, 0] and load == [10, 5]
+    assert balanced_owners([5], load) == [1] and load == [10, 10]
+    assert balanced_owners([1, 7, 3], [0, 0, 0]) == [2, 0, 1]
