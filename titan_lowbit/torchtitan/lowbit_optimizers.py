@@ -24,6 +24,21 @@ def is_lowbit(optimizer) -> bool:
     return hasattr(optimizer, "state_bytes_per_param")
 
 
+def is_muon(optimizer) -> bool:
+    """Whether ``optimizer`` is titan_lowbit's LowBitMuon (told by its interface)."""
+    return is_lowbit(optimizer) and hasattr(optimizer, "muon_params")
+
+
+def muon_share(optimizer) -> str:
+    """What a LowBitMuon steps with which part, for the start-up lines: its Muon matrices
+    (count, share of its elements) and the parameters of its inner AdamW."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    muon = optimizer.muon_params()
+    share = sum(p.numel() for p in muon) / max(sum(p.numel() for p in params), 1)
+    return (f"Muon momentum for {len(muon)} matri{'ces' if len(muon) != 1 else 'x'} ({share:.1%} of the "
+            f"elements), AdamW moments for the other {len(params) - len(muon)} params")
+
+
 def state_bytes_per_param(optimizers: Iterable[torch.optim.Optimizer]) -> float:
     """Optimizer-state bytes per trainable parameter element, over all optimizers."""
     total_bytes = total_numel = 0.0
