@@ -39,6 +39,21 @@ def muon_share(optimizer) -> str:
             f"elements), AdamW moments for the other {len(params) - len(muon)} params")
 
 
+def check_muon_skip(optimizers: list[torch.optim.Optimizer], where: Callable[[int], str]) -> None:
+    """Refuse ``nonfinite_grad="skip"`` for a LowBitMuon in a container of several
+    optimizers: its skip decides over its own gradients in its own step, after the
+    container's other optimizers may have stepped; a skip must hold for all of them."""
+    if len(optimizers) < 2:
+        return
+    for i, opt in enumerate(optimizers):
+        if is_muon(opt) and opt.nonfinite_grad == "skip":
+            raise ValueError(
+                f"{where(i)}: nonfinite_grad = 'skip' with Muon beside other optimizers in one container: "
+                "Muon decides its skip over its own gradients in its own step, after the others may have "
+                "stepped. Give the Muon name every parameter (its inner AdamW steps the ones Muon does not "
+                "suit), or use nonfinite_grad = 'raise'.")
+
+
 def state_bytes_per_param(optimizers: Iterable[torch.optim.Optimizer]) -> float:
     """Optimizer-state bytes per trainable parameter element, over all optimizers."""
     total_bytes = total_numel = 0.0
@@ -66,8 +81,14 @@ def settled_step(optimizers: list[torch.optim.Optimizer], step_all: Callable[[],
     checks are raised before anything steps; ``skip``: this step's gradients of every
     titan_lowbit optimizer are checked first, and a non-finite one skips the step of
     every optimizer of the container (torch's too), counted by each titan_lowbit one.
-    ``where(i)`` names optimizer ``i`` in messages, ``what`` (plural) all of them."""
-    lowbit = [(i, opt) for i, opt in enumerate(optimizers) if is_lowbit(opt)]
+    ``where(i)`` names optimizer ``i`` in messages, ``what`` (plural) all of them.
+
+    A LowBitMuon takes part through its inner AdamW (``adamw``: the raise of an earlier
+    step's in-kernel check); its Muon matrices raise in its own step, after stepping the
+    rest, as LowBitMuon alone does. ``skip`` with a LowBitMuon among several optimizers
+    is refused where the container is built (:func:`check_muon_skip`)."""
+    lowbit = [(i, opt.adamw if is_muon(opt) else opt) for i, opt in enumerate(optimizers) if is_lowbit(opt)]
+    lowbit = [(i, opt) for i, opt in lowbit if opt is not None]
     if len(optimizers) < 2 or not lowbit:
         step_all()
         return
