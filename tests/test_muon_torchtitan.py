@@ -139,3 +139,17 @@ def test_checkpoint_of_a_muon_name_is_compared_with_the_run_before_loading(tmp_p
     model = checkpoint(adamw, "AdamW8bit")
     with pytest.raises(CheckpointMismatch, match='name = "AdamW8bit"'):
         check_compatible({"optimizer": Container(model, build(model, "Muon8bit"))}, str(adamw))
+
+
+def test_lowbit_muon_keys_are_checked_when_the_section_is_parsed():
+    with pytest.raises(ValueError, match=r"\[lowbit\] muon_momentum = '0.9' must be a TOML float"):
+        LowBit(muon_momentum="0.9")
+    with pytest.raises(ValueError, match=r"\[lowbit\] muon_momentum = True must be a TOML float"):
+        LowBit(muon_momentum=True)
+    with pytest.raises(ValueError, match=r"\[lowbit\] muon_momentum = 1.0 must lie in \[0, 1\)"):
+        LowBit(muon_momentum=1.0)
+    with pytest.raises(ValueError, match=r"\[lowbit\] muon_adamw_fqns = \['output', ''\] must be a list of strings"):
+        LowBit(muon_adamw_fqns=["output", ""])
+    # one string on the command line: comma-separated, as the other fragment lists
+    assert LowBit(muon_adamw_fqns="tok_embeddings,output").muon_adamw_fqns == ["tok_embeddings", "output"]
+    assert LowBit(muon_momentum=0).muon_momentum == 0
