@@ -104,6 +104,41 @@ def test_lowbit_names_are_param_group_optimizers_beside_torch_adamw():
     assert sd["param_groups.w1.state_format"] == "8bit"
 
 
+def test_muon_names_are_param_group_optimizers_split_by_shape_and_name_inside():
+    """A Muon name's group goes to one LowBitMuon, which steps its 2-D parameters with Muon
+    and the rest (here the head, by name) with its inner AdamW; the groups of other names
+    stay as they are. betas and eps reach the inner AdamW, momentum Muon."""
+    model = Tiny()
+    model.lm_head = nn.Parameter(torch.randn(96, 64).to(torch.bfloat16))
+    kinds = {type(o).__name__: o for o in container(model, name="Muon8bit")}
+    assert set(kinds) == {"LowBitAdamW", "LowBitMuon"}, kinds  # the AdamW group: fp32, master_remainder
+    muon = kinds["LowBitMuon"]
+    assert [(g["use_muon"], g["param_names"]) for g in muon.param_groups] == [(True, ["w1", "w2"]),
+                                                                             (False, ["lm_head"])]
+    assert muon.param_groups[0]["momentum"] == 0.95 and muon.param_groups[1]["betas"] == (0.9, 0.95)
+    opt = container(model, name="Muon4bit", weight_update="stochastic")
+    other = Tiny()
+    assert "titan_lowbit 4bit states (Muon momentum for 2 matrices" in v03.describe(opt)
+    sd = opt.state_dict()  # torchtitan's flat, FQN-keyed state dict
+    assert "state.w1.momentum_buffer_codes" in sd and "state.lm_head.exp_avg_codes" in sd
+    assert sd["param_groups.w1.use_muon"] is True and sd["param_groups.lm_head.use_muon"] is False
+    with pytest.raises(ValueError, match=r"nonfinite_grad = 'skip' with Muon beside other optimizers"):
+        container(other, name="Muon8bit", optimizer_factory_kwargs_by_name={"Muon8bit": {"nonfinite_grad": "skip"}})
+    with pytest.raises(ValueError, match=r"optimizer_factory_kwargs_by_name\['Muon8bit'\] has \['betas'\]; Muon8bit "
+                                         r"takes \['nonfinite_grad', 'seed', 'adamw_fqns'\]"):
+        container(other, name="Muon8bit", optimizer_factory_kwargs_by_name={"Muon8bit": {"betas": (0.9, 0.9)}})
+    # one Muon name for every parameter: its own skip decides for the whole step
+    only = v03.LowBitOptimizersContainer.Config(param_groups=[ParamGroupConfig(
+        pattern=".*", optimizer_name="Muon8bit", optimizer_kwargs={"lr": 1e-2})],
+        optimizer_factory_kwargs_by_name={"Muon8bit": {"nonfinite_grad": "skip"}}).build(model_parts=[other])
+    other.loss(torch.arange(8)).backward()
+    other.norm.grad[0] = float("nan")
+    before = {n: p.detach().clone() for n, p in other.named_parameters()}
+    only.step()
+    assert all(torch.equal(p, before[n]) for n, p in other.named_parameters())
+    assert only.optimizers[0].skipped_steps == 1
+
+
 def test_torch_adamw_group_with_a_bf16_update_rule_is_lowbit_fp32():
     opt = container(Tiny(), name="AdamW4bit", weight_update="kahan")
     formats = sorted(g["state_format"] for o in opt for g in o.param_groups)
@@ -170,21 +205,22 @@ def test_zero_gradient_initialisation_step_changes_nothing(weight_update):
     assert_same(snapshot(model, opt), snapshot(ref_model, ref))
 
 
-@pytest.mark.parametrize("weight_update", ["stochastic", "master_remainder"])
-def test_state_dict_round_trip_resumes_bit_for_bit(weight_update):
+@pytest.mark.parametrize("name,weight_update", [("AdamW8bit", "stochastic"), ("AdamW8bit", "master_remainder"),
+                                                ("Muon8bit", "stochastic")])
+def test_state_dict_round_trip_resumes_bit_for_bit(name, weight_update):
     ref_model = Tiny()
-    ref = container(ref_model, weight_update=weight_update)
+    ref = container(ref_model, name=name, weight_update=weight_update)
     train(ref_model, ref, 6)
 
     first = Tiny()
-    opt = container(first, weight_update=weight_update)
+    opt = container(first, name=name, weight_update=weight_update)
     train(first, opt, 3)
     saved = snapshot(first, opt)
     second = Tiny()
     with torch.no_grad():
         for n, p in second.named_parameters():
             p.copy_(saved[n])
-    resumed = container(second, weight_update=weight_update)
+    resumed = container(second, name=name, weight_update=weight_update)
     resumed.load_state_dict({k: v for k, v in saved.items() if "." in k})
     train(second, resumed, 3, start=3)
     assert_same(snapshot(second, resumed), snapshot(ref_model, ref))
@@ -263,6 +299,22 @@ def test_lowbit_adamw_override_turns_torch_adamw_groups_into_lowbit():
         v03.lowbit_adamw(config, name="Adam8bit")
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['weight_updat'\]"):
         v03.lowbit_adamw(config, weight_updat="stochastic")
+
+
+def test_lowbit_muon_override_turns_the_lowbit_adamw_groups_into_muon():
+    from titan_lowbit.torchtitan.config_registry import lowbit_optimizer
+
+    ready = v03.lowbit_muon(lowbit_optimizer(lr=3e-3), name="Muon4bit", momentum=0.9, adamw_fqns=["lm_head"],
+                            nonfinite_grad="raise")
+    assert [(g.optimizer_name, g.optimizer_kwargs.get("momentum")) for g in ready.param_groups] == [
+        ("AdamW", None), ("Muon4bit", 0.9)]  # torch's AdamW keeps norms, biases and embeddings
+    assert ready.optimizer_factory_kwargs_by_name["Muon4bit"] == {"nonfinite_grad": "raise", "adamw_fqns": ["lm_head"]}
+    plain = v03.lowbit_muon(default_adamw(lr=3e-4))  # no low-bit AdamW group: torch's AdamW groups
+    assert [g.optimizer_name for g in plain.param_groups] == ["Muon8bit"]
+    with pytest.raises(ValueError, match=r"lowbit_muon: name = 'AdamW8bit'; choose one of"):
+        v03.lowbit_muon(default_adamw(lr=3e-4), name="AdamW8bit")
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['betas'\]"):
+        v03.lowbit_muon(default_adamw(lr=3e-4), betas=(0.9, 0.9))
 
 
 def test_bitnet_converter_converts_the_layers_linears_only():
@@ -527,6 +579,31 @@ def test_4bit_states_with_stochastic_rounding_through_the_override(tmp_path, pre
     assert "titan_lowbit 4bit states, weights bfloat16, bf16 update stochastic" in log
     losses = step_losses(log)
     assert float(losses[6]) < float(losses[1]) - 0.3, losses
+
+
+@pytest.mark.trainer
+def test_muon_through_the_override_trains_and_resumes_bit_for_bit(tmp_path, prepared_data):
+    """Muon8bit in place of the ready config's AdamW8bit group (2 FSDP2 processes: each
+    matrix orthogonalised whole by its owner rank), bf16 weights with stochastic rounding:
+    the loss falls, and a run resumed from step 4 ends where the straight run ends, bit for
+    bit (every model and optimizer tensor of the last checkpoint)."""
+    override = json.dumps({"name": "Muon8bit", "weight_update": "stochastic"})
+    args = ("--override.imports", f"titan_lowbit.torchtitan.v03.lowbit_muon={override}", *CHECKPOINT)
+    log = train_run(tmp_path / "a", *args)
+    assert "titan_lowbit 8bit states (Muon momentum for " in log, log[-3000:]
+    losses = step_losses(log)
+    assert float(losses[8]) < float(losses[1]) - 0.5, losses
+    resumed = tmp_path / "b"
+    (resumed / "checkpoint").mkdir(parents=True)
+    os.symlink(tmp_path / "a" / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
+    again = step_losses(train_run(resumed, *args))
+    assert {s: again[s] for s in range(5, 9)} == {s: losses[s] for s in range(5, 9)}
+    a = dict(flatten(checkpoint_tensors(tmp_path / "a" / "checkpoint" / "step-8")))
+    b = dict(flatten(checkpoint_tensors(resumed / "checkpoint" / "step-8")))
+    assert a.keys() == b.keys() and any("momentum_buffer_codes" in k for k in a)
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), k
 
 
 @pytest.mark.trainer

@@ -28,17 +28,22 @@ pytestmark = pytest.mark.trainer  # every test here runs torchtitan's Trainer
 STEPS = 6
 HALF = STEPS // 2
 
-# (optimizer name, [lowbit] weight_dtype, [lowbit] weight_update, [lowbit] fp32_states):
+# (optimizer name, [lowbit] weight_dtype, [lowbit] weight_update, [lowbit] fp32_states, more
+# arguments):
 # every state format (fp32 via torch, fp8, 8-bit, 4-bit) and every BF16 update rule, each
 # at least once, within CI's time (titan_lowbit's own fp32 and bf16 states resume
 # bit-identically in tests/test_optim_adamw.py and, through DCP, in
 # tests/test_optim_fsdp.py); the 8-bit run keeps the embeddings and the head in fp32
-# states (one optimizer of two state formats).
+# states (one optimizer of two state formats). Muon8bit: the matrices sharded by FSDP2 and
+# orthogonalised whole by their owner ranks, the rest stepped by its inner AdamW.
 VARIANTS = [
-    ("AdamW", "auto", "nearest", ""),          # torch's AdamW, as torchtitan builds it
-    ("AdamWFp8", "bfloat16", "kahan", ""),
-    ("AdamW8bit", "bfloat16", "stochastic", "tok_embeddings,output"),
-    ("AdamW4bit", "bfloat16", "master", ""),
+    ("AdamW", "auto", "nearest", "", ()),          # torch's AdamW, as torchtitan builds it
+    ("AdamWFp8", "bfloat16", "kahan", "", ()),
+    ("AdamW8bit", "bfloat16", "stochastic", "tok_embeddings,output", ()),
+    ("AdamW4bit", "bfloat16", "master", "", ()),
+    # Muon's 8-bit momentum, its inner AdamW's moments. Its update's RMS is AdamW's settled
+    # one (0.2 lr), below AdamW's first steps (about lr): a larger lr falls as far in 6 steps.
+    ("Muon8bit", "bfloat16", "stochastic", "", ("--optimizer.lr", "1e-2")),
 ]
 FP32_STATES_LINE = re.compile(r"fp32 states for (\d+) params, [0-9.]+% of the elements, by \[lowbit\] fp32_states")
 STATE_BYTES = re.compile(r"optimizer state ([0-9.]+) B/param")
@@ -64,16 +69,16 @@ def optimizer_state_storage(checkpoint) -> tuple[int, int, int]:
     return on_disk, payload, items
 
 
-@pytest.mark.parametrize("optimizer,dtype,update,fp32_states", VARIANTS,
-                         ids=["-".join(filter(None, v)) for v in VARIANTS])
-def test_loss_falls_and_checkpoint_resumes_identically(optimizer, dtype, update, fp32_states,
+@pytest.mark.parametrize("optimizer,dtype,update,fp32_states,more", VARIANTS,
+                         ids=["-".join(filter(None, v[:4])) for v in VARIANTS])
+def test_loss_falls_and_checkpoint_resumes_identically(optimizer, dtype, update, fp32_states, more,
                                                        tmp_path, prepared_data):
     dump = tmp_path / "run"
     common = ("--optimizer.name", optimizer, "--lowbit.weight_dtype", dtype,
               "--lowbit.weight_update", update, "--lr_scheduler.total_steps", str(STEPS),
               "--validation.no-enable", "--job.dump_folder", str(dump),
               "--checkpoint.enable", "--checkpoint.interval", str(HALF),
-              *(("--lowbit.fp32_states", fp32_states) if fp32_states else ()))
+              *(("--lowbit.fp32_states", fp32_states) if fp32_states else ()), *more)
 
     # One uninterrupted run that also writes a checkpoint at step HALF.
     proc = run_train(*common, "--training.steps", str(STEPS))

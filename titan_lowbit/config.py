@@ -22,10 +22,13 @@ from titan_lowbit.log_notes import drop_notes, keep_notes
 from titan_lowbit.optim.adamw import NONFINITE_POLICIES as OPTIMIZER_NONFINITE_POLICIES
 from titan_lowbit.optim.adamw import WEIGHT_UPDATES as OPTIMIZER_WEIGHT_UPDATES
 from titan_lowbit.optim.adamw import LowBitAdamW
+from titan_lowbit.optim.muon import LowBitMuon
+from titan_lowbit.optim.muon_groups import DEFAULT_ADAMW_FQNS as MUON_DEFAULT_ADAMW_FQNS
 from titan_lowbit.prepare_data import DATASET_SPLITS
 
 # The optimizer's own defaults (LowBitAdamW's signature) are the section's.
 _OPTIMIZER_DEFAULTS = {name: p.default for name, p in inspect.signature(LowBitAdamW).parameters.items()}
+_MUON_DEFAULTS = {name: p.default for name, p in inspect.signature(LowBitMuon).parameters.items()}
 
 WeightDtype = Literal["auto", "float32", "bfloat16"]
 WeightUpdate = Literal[tuple(OPTIMIZER_WEIGHT_UPDATES)]
@@ -44,7 +47,8 @@ def _check_choice(key: str, value, choices) -> None:
 
 
 # The keys that hold FQN fragments (titan_lowbit/fqn_fragments.py), with an example each.
-FRAGMENT_LISTS = {"bitnet_filter": '["output"]', "fp32_states": '["tok_embeddings", "output"]'}
+FRAGMENT_LISTS = {"bitnet_filter": '["output"]', "fp32_states": '["tok_embeddings", "output"]',
+                  "muon_adamw_fqns": '["tok_embeddings", "output"]'}
 
 
 @dataclass
@@ -98,6 +102,20 @@ class LowBit:
     resume as bf16 weights with weight_update master or master_remainder (the fp32
     weights become the masters exactly) and back; Adam* against AdamW* and any other
     change of the weight dtype are not converted."""
+    # Every muon_* key configures the Muon names of [optimizer] name: set to a value other
+    # than its default with another name, it is refused at start-up (optimizer_builder).
+    muon_momentum: float = _MUON_DEFAULTS["momentum"]
+    """Muon's momentum coefficient (``M <- momentum * M + (1 - momentum) * G``) for the
+    matrices of the Muon names (Muon, Muon8bit, Muon4bit, MuonFp8); their inner AdamW
+    takes [optimizer] beta1 and beta2."""
+
+    muon_adamw_fqns: list[str] = field(default_factory=lambda: list(MUON_DEFAULT_ADAMW_FQNS))
+    """Fully-qualified-name fragments of the 2-D parameters that a Muon name steps with its
+    inner AdamW instead of Muon (selected as fp32_states selects, titan_lowbit/
+    fqn_fragments.py). Parameters that are not 2-D (norms, biases) always go to AdamW. The
+    default names the embedding tables and output heads of torchtitan and Hugging Face
+    models; a fragment set here that selects no parameter is refused at start-up."""
+
     # Every bitnet_* key configures converter "bitnet": set to a value other than its
     # default without that converter, it is refused at start-up (check_bitnet_keys).
     bitnet_filter: list[str] = field(default_factory=lambda: list(BITNET_DEFAULTS["bitnet_filter"]))
@@ -143,6 +161,8 @@ class LowBit:
                     f"[lowbit] {f.name} = {value!r} must be a TOML {f.type.__name__} "
                     f"({'true or false' if f.type is bool else 'an integer'}, without quotes)"
                 )
+            if f.type is float and type(value) not in (float, int):
+                raise ValueError(f"[lowbit] {f.name} = {value!r} must be a TOML float (a number, without quotes)")
         for key, example in FRAGMENT_LISTS.items():
             value = getattr(self, key)
             if not (isinstance(value, list) and all(isinstance(s, str) and s for s in value)):
@@ -158,6 +178,8 @@ class LowBit:
                 f"[lowbit] block_size = {self.block_size} must be 0 (the format's default) "
                 "or a power of two >= 2"
             )
+        if not 0 <= self.muon_momentum < 1:
+            raise ValueError(f"[lowbit] muon_momentum = {self.muon_momentum} must lie in [0, 1)")
         if self.min_quantized_numel < 0:
             raise ValueError(
                 f"[lowbit] min_quantized_numel = {self.min_quantized_numel} must be >= 0"

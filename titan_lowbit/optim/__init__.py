@@ -1,7 +1,11 @@
 """Optimizer front end: formats, AdamW math, Muon, param groups, DTensor handling.
 
-``OPTIMIZERS`` is the one list of optimizer names the plugin adds (torchtitan's
-``[optimizer] name``), each mapped to ``LowBitAdamW`` keyword arguments.
+``OPTIMIZERS`` is the one list of AdamW names the plugin adds (torchtitan's
+``[optimizer] name``), each mapped to ``LowBitAdamW`` keyword arguments;
+``MUON_OPTIMIZERS`` the Muon names, each mapped to ``LowBitMuon`` keyword arguments. A
+name says the optimizer and its state format as the AdamW names do: ``Muon`` keeps fp32
+states (as torch's ``AdamW``), ``Muon8bit``, ``Muon4bit`` and ``MuonFp8`` keep the
+momentum of Muon's matrices and the moments of its inner AdamW in that format.
 """
 
 from .adamw import LowBitAdamW
@@ -21,4 +25,12 @@ OPTIMIZERS: dict[str, dict] = {
     "Adam": dict(state_format="fp32", decoupled_weight_decay=False),
 }
 
-__all__ = ["LowBitAdamW", "LowBitMuon", "OPTIMIZERS", "STATE_FORMATS", "StateFormat", "convert_state_dict"]
+MUON_OPTIMIZERS: dict[str, dict] = {
+    "Muon": dict(state_format="fp32"),
+    "Muon8bit": dict(state_format="8bit"),
+    "Muon4bit": dict(state_format="4bit"),
+    "MuonFp8": dict(state_format="fp8"),
+}
+
+__all__ = ["LowBitAdamW", "LowBitMuon", "MUON_OPTIMIZERS", "OPTIMIZERS", "STATE_FORMATS", "StateFormat",
+           "convert_state_dict"]

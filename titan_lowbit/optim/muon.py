@@ -120,7 +120,8 @@ class LowBitMuon(torch.optim.Optimizer):
     process holding the whole parameters.
 
     Not yet: a fused kernel (the momentum is dequantized, updated and requantized in
-    PyTorch ops, ``kernels.muon_ref``), torchtitan registration.
+    PyTorch ops, ``kernels.muon_ref``). torchtitan reaches it through the Muon names
+    (``titan_lowbit.optim.MUON_OPTIMIZERS``).
     """
 
     def __init__(self, params: Iterable[Any], lr: "float | torch.Tensor" = _ADAMW_DEFAULTS["lr"],

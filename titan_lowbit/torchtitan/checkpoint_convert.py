@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_lowbit.config import lowbit_of
+from titan_lowbit.optim.muon_groups import USE_MUON
 from titan_lowbit.torchtitan.lowbit_optimizers import is_lowbit
 from titan_lowbit.torchtitan.optimizer_builder import FP32_STATES_FORMAT
 
@@ -98,13 +99,21 @@ def fp32_selection(layouts: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], 
     """(the optimizer's own layout, the parameters ``[lowbit] fp32_states`` gave fp32
     states) of per-parameter layouts (``checkpoint.layouts``): the own layout is that of
     the parameters whose states are not fp32 (of all of them where every one is); a
-    parameter is selected where its layout is the own one with fp32 states."""
+    parameter is selected where its layout is the own one with fp32 states (for a Muon
+    name, its matrices and its inner AdamW's parameters alike: their ``use_muon`` and
+    the AdamW part's ``decoupled_weight_decay`` aside)."""
     values = list(layouts.values())
     own = next((lay for lay in values if lay.get("state_format") != FP32_STATES_FORMAT), values[0] if values else {})
     if own.get("state_format") in (None, FP32_STATES_FORMAT):
         return own, []
-    fp32 = {**own, "state_format": FP32_STATES_FORMAT}
-    return own, sorted(f for f, lay in layouts.items() if lay == fp32)
+
+    def of_group(layout: dict[str, Any]) -> dict[str, Any]:
+        if USE_MUON not in layout:
+            return layout
+        return {k: v for k, v in layout.items() if k not in (USE_MUON, "decoupled_weight_decay")}
+
+    fp32 = of_group({**own, "state_format": FP32_STATES_FORMAT})
+    return own, sorted(f for f, lay in layouts.items() if of_group(lay) == fp32)
 
 
 def _frozen(layout: dict[str, Any]) -> tuple:

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from titan_lowbit.bitnet.weight import local_training_weight
 from titan_lowbit.optim.convert import weight_dtype_problem
 from titan_lowbit.optim.formats import STATE_FORMATS, block_of
+from titan_lowbit.optim.muon_groups import USE_MUON
 from titan_lowbit.torchtitan.checkpoint_convert import (
     ANY_GROUP_KEY,
     GROUP_ENTRY,
@@ -39,11 +40,16 @@ LAYOUT_KEYS = ("state_format", "block_size", "weight_update", "min_quantized_num
 # compared for torch's Adam/AdamW too, whose load_state_dict would silently keep the saved one.
 NAME_KEYS = ("decoupled_weight_decay",)
 TORCH_LAYOUT = {"optimizer": "torch Adam/AdamW (fp32 or parameter-dtype moments)"}
+# The "optimizer" of a LowBitMuon's parameters (a Muon name), whose param groups say
+# use_muon: the matrices' groups True (a momentum), its inner AdamW's False (two moments).
+LOWBIT_LAYOUT, MUON_LAYOUT = "titan_lowbit", "titan_lowbit Muon"
 FORMAT_SUFFIX = {"8bit": "8bit", "4bit": "4bit", "fp8": "Fp8", "fp32": ""}  # of the names
 DATALOADER_RANK = re.compile(r"dataloader\.dp_rank_(\d+)")
 # titan_lowbit's own entry in the checkpoints it writes: how the model was converted.
 RECORD = "titan_lowbit"
 BITNET_WEIGHTS = f"{RECORD}.bitnet_weights"
+# The param-group options a layout is read from (beside ANY_GROUP_KEY).
+RECORDED_KEYS = (*LAYOUT_KEYS, *NAME_KEYS, USE_MUON)
 LOWBIT_OPTION = {"state_format": "[optimizer] name", "decoupled_weight_decay": "[optimizer] name",
                  "block_size": "[lowbit] block_size", "weight_update": "[lowbit] weight_update",
                  "min_quantized_numel": "[lowbit] min_quantized_numel"}
@@ -58,19 +64,32 @@ def layouts(flat: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """{parameter FQN: the optimizer layout of its param group} from the flattened
     param-group entries (``param_groups.<fqn>.<option>``, one per parameter and option, as
     torchtitan's container saves an optimizer): titan_lowbit's layout where the
-    parameter's group has a ``state_format``, else torch's Adam/AdamW. The same reading
-    of the run's state dict and of a checkpoint's entries, so the two compare parameter
-    by parameter."""
+    parameter's group has a ``state_format`` (a Muon name's where it also has
+    ``use_muon``, which the layout keeps: Muon's matrix or its inner AdamW's parameter),
+    else torch's Adam/AdamW. The same reading of the run's state dict and of a
+    checkpoint's entries, so the two compare parameter by parameter."""
     options: dict[str, dict[str, Any]] = {}
     for key, value in flat.items():
         if key.startswith(GROUP_ENTRY):
             fqn, _, option = key[len(GROUP_ENTRY):].rpartition(".")
-            if option in (ANY_GROUP_KEY, *LAYOUT_KEYS, *NAME_KEYS):
+            if option in (ANY_GROUP_KEY, *RECORDED_KEYS):
                 options.setdefault(fqn, {})[option] = value
-    return {fqn: ({"optimizer": "titan_lowbit", **{k: o.get(k) for k in LAYOUT_KEYS + NAME_KEYS}}
-                  if o.get("state_format") is not None else
-                  {**TORCH_LAYOUT, **{k: o.get(k) for k in NAME_KEYS}})
-            for fqn, o in options.items()}
+    return {fqn: _layout_of(o) for fqn, o in options.items()}
+
+
+def _layout_of(options: dict[str, Any]) -> dict[str, Any]:
+    """A parameter's layout from its param group's recorded options."""
+    if options.get("state_format") is None:
+        return {**TORCH_LAYOUT, **{k: options.get(k) for k in NAME_KEYS}}
+    layout = {"optimizer": MUON_LAYOUT if USE_MUON in options else LOWBIT_LAYOUT,
+              **{k: options.get(k) for k in LAYOUT_KEYS + NAME_KEYS}}
+    if USE_MUON in options:
+        layout[USE_MUON] = options[USE_MUON]
+    return layout
+
+
+def is_muon_layout(layout: dict[str, Any]) -> bool:
+    return layout.get("optimizer") == MUON_LAYOUT
 
 
 def saved_layouts(checkpoint_id: str, metadata) -> dict[str, dict[str, Any]]:
@@ -78,8 +97,7 @@ def saved_layouts(checkpoint_id: str, metadata) -> dict[str, dict[str, Any]]:
     when it holds no optimizer entries at all (e.g. a model-only checkpoint)."""
     prefix = "optimizer."
     keys = [k[len(prefix):] for k in metadata.state_dict_metadata if k.startswith(prefix + GROUP_ENTRY)]
-    values: dict[str, Any] = {prefix + k: None for k in keys
-                              if k.rpartition(".")[2] in LAYOUT_KEYS + NAME_KEYS}
+    values: dict[str, Any] = {prefix + k: None for k in keys if k.rpartition(".")[2] in RECORDED_KEYS}
     if values:
         dcp.load(values, checkpoint_id=checkpoint_id)
     return layouts({k: values.get(prefix + k) for k in keys})
@@ -98,9 +116,12 @@ def _describe(layout: dict[str, Any]) -> str:
 
 def optimizer_name(layout: dict[str, Any]) -> str:
     """The [optimizer] name that builds an optimizer of ``layout``."""
+    if is_muon_layout(layout):
+        suffix = FORMAT_SUFFIX.get(layout.get("state_format"))
+        return f"the Muon name of state_format={layout.get('state_format')!r}" if suffix is None else "Muon" + suffix
     decoupled = layout.get("decoupled_weight_decay")
     base = {True: "AdamW", False: "Adam"}.get(decoupled, "AdamW or Adam")
-    if layout["optimizer"] != "titan_lowbit":
+    if layout["optimizer"] != LOWBIT_LAYOUT:
         return base
     suffix = FORMAT_SUFFIX.get(layout.get("state_format"))
     if suffix is None or decoupled is None:
@@ -110,7 +131,7 @@ def optimizer_name(layout: dict[str, Any]) -> str:
 
 def _settings(layout: dict[str, Any]) -> dict[str, Any]:
     """The [optimizer] / [lowbit] settings that give ``layout`` ({'[section] key': value})."""
-    if layout["optimizer"] != "titan_lowbit":  # torch's: built only with weight_update nearest
+    if layout["optimizer"] not in (LOWBIT_LAYOUT, MUON_LAYOUT):  # torch's: built only with weight_update nearest
         return {"[optimizer] name": optimizer_name(layout), "[lowbit] weight_update": "nearest"}
     return {"[optimizer] name": optimizer_name(layout),
             **{f"[lowbit] {k}": layout[k] for k in ("block_size", "weight_update",
@@ -126,8 +147,21 @@ def _as_setting(option: str, value: Any) -> str:
 def _convertible(saved: dict[str, Any], have: dict[str, Any]) -> bool:
     """Whether ``[lowbit] convert_optimizer_states`` can take the checkpoint's optimizer
     layout ``saved`` into ``have``: any state format, block size, update rule and threshold,
-    torch's or titan_lowbit's, but not Adam* into AdamW* (another update, not a layout)."""
-    return all(saved.get(k) == have.get(k) for k in NAME_KEYS)
+    torch's or titan_lowbit's AdamW, but not Adam* into AdamW* (another update, not a
+    layout), nor a Muon name's states (:data:`MUON_CONVERSION`)."""
+    return (all(saved.get(k) == have.get(k) for k in NAME_KEYS)
+            and not is_muon_layout(saved) and not is_muon_layout(have))
+
+
+MUON_CONVERSION = (
+    "[lowbit] convert_optimizer_states converts AdamW states between layouts; it does not convert "
+    "the states of a Muon name (Muon, Muon8bit, Muon4bit, MuonFp8), nor Muon into AdamW or back: a "
+    "Muon matrix holds one momentum, an AdamW parameter two moments, and neither is the other's")
+
+
+def _muon_split(layouts: dict[str, dict[str, Any]]) -> list[str]:
+    """The parameters a Muon name's inner AdamW steps (``use_muon`` False)."""
+    return sorted(f for f, lay in layouts.items() if is_muon_layout(lay) and not lay.get(USE_MUON))
 
 
 def _few(fqns: list[str]) -> str:
@@ -150,7 +184,18 @@ def _layout_problem(saved: dict[str, dict[str, Any]], have: dict[str, dict[str, 
     if fp32_saved != fp32_have:
         text += (f"[lowbit] fp32_states gave fp32 states to {_few(fp32_saved)} in the checkpoint, "
                  f"to {_few(fp32_have)} in this run. ")
-    if own_saved.get("decoupled_weight_decay") != own_have.get("decoupled_weight_decay"):
+    muon = any(is_muon_layout(saved[f]) or is_muon_layout(have[f]) for f in differ)
+    split_saved, split_have = _muon_split(saved), _muon_split(have)
+    both_muon = is_muon_layout(own_saved) and is_muon_layout(own_have)
+    if both_muon and split_saved != split_have:
+        text += (f"[lowbit] muon_adamw_fqns gave the inner AdamW {_few(split_saved)} in the checkpoint, "
+                 f"{_few(split_have)} in this run. ")
+    if is_muon_layout(own_saved) != is_muon_layout(own_have):
+        text += (f"The checkpoint was written by {'a Muon name' if is_muon_layout(own_saved) else 'AdamW'}, this "
+                 f"run steps with {'a Muon name' if is_muon_layout(own_have) else 'AdamW'}. ")
+    if muon and convert:
+        text += MUON_CONVERSION + ". "
+    if own_saved.get("decoupled_weight_decay") != own_have.get("decoupled_weight_decay") and not muon:
         text += ("decoupled_weight_decay is set by [optimizer] name: AdamW* names decouple weight "
                  "decay, Adam* names add it to the gradient"
                  + ("; [lowbit] convert_optimizer_states converts the states' format, not the "
@@ -160,6 +205,9 @@ def _layout_problem(saved: dict[str, dict[str, Any]], have: dict[str, dict[str, 
     if fp32_saved != fp32_have:
         settings.append(f"[lowbit] fp32_states selecting exactly the checkpoint's {_few(fp32_saved)}"
                         if fp32_saved else "no [lowbit] fp32_states")
+    if both_muon and split_saved != split_have:
+        settings.append(f"[lowbit] muon_adamw_fqns giving the inner AdamW exactly the checkpoint's "
+                        f"{_few(split_saved)} (2-D parameters; the others always go to AdamW)")
     convertible = all(_convertible(saved[f], have[f]) for f in differ)
     return text + (
         "Resume with the settings the checkpoint was written with: " + "; ".join(settings)
@@ -356,7 +404,10 @@ def _weight_dtype_problem(recast: dict[str, tuple], saved, have, convert: bool) 
     when the optimizer is not loaded)."""
     key, (was, now) = next(iter(recast.items()))
     why = None
-    if convert and have is not None:
+    muon = have is not None and any(is_muon_layout(lay) for lay in (*have.values(), *(saved or {}).values()))
+    if convert and muon:
+        why = MUON_CONVERSION
+    elif convert and have is not None:
         for key, (was, now) in recast.items():
             if key not in have:
                 why = (f"param '{key}' is not trained by this run's optimizer, so no conversion can "

@@ -24,6 +24,36 @@ def is_lowbit(optimizer) -> bool:
     return hasattr(optimizer, "state_bytes_per_param")
 
 
+def is_muon(optimizer) -> bool:
+    """Whether ``optimizer`` is titan_lowbit's LowBitMuon (told by its interface)."""
+    return is_lowbit(optimizer) and hasattr(optimizer, "muon_params")
+
+
+def muon_share(optimizer) -> str:
+    """What a LowBitMuon steps with which part, for the start-up lines: its Muon matrices
+    (count, share of its elements) and the parameters of its inner AdamW."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    muon = optimizer.muon_params()
+    share = sum(p.numel() for p in muon) / max(sum(p.numel() for p in params), 1)
+    return (f"Muon momentum for {len(muon)} matri{'ces' if len(muon) != 1 else 'x'} ({share:.1%} of the "
+            f"elements), AdamW moments for the other {len(params) - len(muon)} params")
+
+
+def check_muon_skip(optimizers: list[torch.optim.Optimizer], where: Callable[[int], str]) -> None:
+    """Refuse ``nonfinite_grad="skip"`` for a LowBitMuon in a container of several
+    optimizers: its skip decides over its own gradients in its own step, after the
+    container's other optimizers may have stepped; a skip must hold for all of them."""
+    if len(optimizers) < 2:
+        return
+    for i, opt in enumerate(optimizers):
+        if is_muon(opt) and opt.nonfinite_grad == "skip":
+            raise ValueError(
+                f"{where(i)}: nonfinite_grad = 'skip' with Muon beside other optimizers in one container: "
+                "Muon decides its skip over its own gradients in its own step, after the others may have "
+                "stepped. Give the Muon name every parameter (its inner AdamW steps the ones Muon does not "
+                "suit), or use nonfinite_grad = 'raise'.")
+
+
 def state_bytes_per_param(optimizers: Iterable[torch.optim.Optimizer]) -> float:
     """Optimizer-state bytes per trainable parameter element, over all optimizers."""
     total_bytes = total_numel = 0.0
@@ -51,8 +81,14 @@ def settled_step(optimizers: list[torch.optim.Optimizer], step_all: Callable[[],
     checks are raised before anything steps; ``skip``: this step's gradients of every
     titan_lowbit optimizer are checked first, and a non-finite one skips the step of
     every optimizer of the container (torch's too), counted by each titan_lowbit one.
-    ``where(i)`` names optimizer ``i`` in messages, ``what`` (plural) all of them."""
-    lowbit = [(i, opt) for i, opt in enumerate(optimizers) if is_lowbit(opt)]
+    ``where(i)`` names optimizer ``i`` in messages, ``what`` (plural) all of them.
+
+    A LowBitMuon takes part through its inner AdamW (``adamw``: the raise of an earlier
+    step's in-kernel check); its Muon matrices raise in its own step, after stepping the
+    rest, as LowBitMuon alone does. ``skip`` with a LowBitMuon among several optimizers
+    is refused where the container is built (:func:`check_muon_skip`)."""
+    lowbit = [(i, opt.adamw if is_muon(opt) else opt) for i, opt in enumerate(optimizers) if is_lowbit(opt)]
+    lowbit = [(i, opt) for i, opt in lowbit if opt is not None]
     if len(optimizers) < 2 or not lowbit:
         step_all()
         return

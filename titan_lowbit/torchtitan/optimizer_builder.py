@@ -3,8 +3,11 @@
 ``[optimizer] name`` keeps its meaning: ``Adam`` and ``AdamW`` go to the model's own
 torchtitan builder, untouched, unless ``[lowbit] weight_update`` asks for a BF16 update
 rule torch's AdamW does not have; every other valid name is a titan_lowbit optimizer
-from :data:`titan_lowbit.optim.OPTIMIZERS`, built into torchtitan's own
-``OptimizersContainer`` so checkpointing, LR schedulers and hooks work as before.
+from :data:`titan_lowbit.optim.OPTIMIZERS` (``LowBitAdamW``) or
+:data:`titan_lowbit.optim.MUON_OPTIMIZERS` (``LowBitMuon``: Muon for the hidden matrices,
+its inner AdamW for the rest, with ``[optimizer] beta1``/``beta2``/``eps``), built into
+torchtitan's own ``OptimizersContainer`` so checkpointing, LR schedulers and hooks work
+as before.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from titan_lowbit.torchtitan.lowbit_optimizers import (
     FP32_ADAMW_STATE_BYTES,
     TORCH_OPTIMIZERS,
     is_lowbit,
+    is_muon,
+    muon_share,
     settled_step,
     state_bytes_per_param,
 )
@@ -43,9 +48,26 @@ from titan_lowbit.torchtitan.lowbit_optimizers import (
 
 
 def valid_optimizer_names() -> list[str]:
-    from titan_lowbit.optim import OPTIMIZERS
+    from titan_lowbit.optim import MUON_OPTIMIZERS, OPTIMIZERS
 
-    return sorted(set(TORCH_OPTIMIZERS) | set(OPTIMIZERS))
+    return sorted(set(TORCH_OPTIMIZERS) | set(OPTIMIZERS) | set(MUON_OPTIMIZERS))
+
+
+def is_muon_name(name: str) -> bool:
+    """Whether ``[optimizer] name`` builds a LowBitMuon."""
+    from titan_lowbit.optim import MUON_OPTIMIZERS
+
+    return name in MUON_OPTIMIZERS
+
+
+# The [lowbit] keys that configure the Muon names only.
+MUON_KEYS = ("muon_momentum", "muon_adamw_fqns")
+
+
+def muon_keys_set(lowbit: LowBit) -> list[str]:
+    """The ``[lowbit] muon_*`` keys whose value differs from the section's default."""
+    defaults = LowBit()
+    return [k for k in MUON_KEYS if getattr(lowbit, k) != getattr(defaults, k)]
 
 
 def check_optimizer_name(name: str) -> None:
@@ -118,19 +140,30 @@ def check_fp32_states(name: str, fp32_states: list[str], fqns: list[str]) -> Non
     ``fqns`` (all the model's trainable parameters), a selection of every parameter."""
     if not fp32_states:
         return
-    if name in TORCH_OPTIMIZERS:
+    if name in TORCH_OPTIMIZERS or _fp32_muon(name):
         raise ValueError(
             f"[lowbit] fp32_states = {fp32_states} keeps the selected parameters' optimizer "
             f"states in fp32, but [optimizer] name = {name!r} keeps every state in fp32 already. "
-            "Remove fp32_states, or choose a titan_lowbit optimizer "
-            f"({', '.join(n for n in valid_optimizer_names() if n not in TORCH_OPTIMIZERS)}).")
+            "Remove fp32_states, or choose a name of a low-bit format "
+            f"({', '.join(n for n in valid_optimizer_names() if n not in TORCH_OPTIMIZERS and not _fp32_muon(n))}).")
     check_every_fragment_selects("fp32_states", fp32_states, fqns, "trainable parameter of the model")
     if all(selects(n, fp32_states) for n in fqns):
         raise ValueError(
             f"[lowbit] fp32_states = {fp32_states} selects every trainable parameter "
             f"({len(fqns)}), so none would keep [optimizer] name = {name!r}'s state format: "
-            "set [optimizer] name = \"AdamW\" (or \"Adam\") for fp32 states throughout, or "
+            f"set [optimizer] name = {FP32_NAMES[is_muon_name(name)]} for fp32 states throughout, or "
             "select fewer parameters.")
+
+
+# The names of fp32 states throughout, for the AdamW names (False) and the Muon names (True).
+FP32_NAMES = {False: '"AdamW" (or "Adam")', True: '"Muon"'}
+
+
+def _fp32_muon(name: str) -> bool:
+    """Whether ``name`` is the Muon name of fp32 states (no quantization)."""
+    from titan_lowbit.optim import MUON_OPTIMIZERS
+
+    return MUON_OPTIMIZERS.get(name, {}).get("state_format") == FP32_STATES_FORMAT
 
 
 def trainable_fqns(model_parts: list[nn.Module], parallel_dims) -> list[str]:
@@ -166,6 +199,29 @@ def check_combination(name: str, lowbit: LowBit, early_step_in_backward: bool,
                 f"choose a titan_lowbit optimizer "
                 f"({', '.join(n for n in valid_optimizer_names() if n not in TORCH_OPTIMIZERS)})."
             )
+    if _fp32_muon(name):
+        defaults = LowBit()
+        ignored = [k for k in ("block_size", "min_quantized_numel") if getattr(lowbit, k) != getattr(defaults, k)]
+        if ignored:
+            raise ValueError(
+                f"[lowbit] {', '.join(ignored)} set, but [optimizer] name = {name!r} keeps fp32 states, "
+                f"which are not quantized. Remove {'them' if len(ignored) > 1 else 'it'}, or choose a Muon "
+                f"name of a low-bit format "
+                f"({', '.join(n for n in valid_optimizer_names() if is_muon_name(n) and not _fp32_muon(n))}).")
+    if not is_muon_name(name) and (keys := muon_keys_set(lowbit)):
+        raise ValueError(
+            f"[lowbit] {', '.join(keys)} set, but [optimizer] name = {name!r} is not a Muon optimizer: "
+            f"{'these keys configure' if len(keys) > 1 else 'this key configures'} the Muon names only "
+            f"({', '.join(n for n in valid_optimizer_names() if is_muon_name(n))}). Choose one of them, or "
+            f"remove {'them' if len(keys) > 1 else 'it'}."
+        )
+    if early_step_in_backward and is_muon_name(name):
+        raise ValueError(
+            f"[optimizer] early_step_in_backward = true steps each parameter on its own as its gradient "
+            f"arrives, but [optimizer] name = {name!r} is Muon, which orthogonalises whole matrices and, "
+            "sharded, gathers them from every rank in buckets within one step. Turn "
+            "early_step_in_backward off for Muon, or choose an AdamW name."
+        )
     if early_step_in_backward and lowbit.nonfinite_grad == "skip" and name not in TORCH_OPTIMIZERS:
         raise ValueError(
             "[lowbit] nonfinite_grad = 'skip' skips a whole optimizer step, but with [optimizer] "
@@ -213,28 +269,48 @@ def build_lowbit_optimizers(
             f"[optimizer] name = {name!r} is not supported with torchft fault tolerance; "
             "disable [fault_tolerance] or use Adam/AdamW."
         )
-    from titan_lowbit.optim import LowBitAdamW, OPTIMIZERS
-
-    kwargs = dict(
-        lr=optimizer_config.lr,
-        betas=(optimizer_config.beta1, optimizer_config.beta2),
-        eps=optimizer_config.eps,
-        weight_decay=optimizer_config.weight_decay,
-        weight_update=lowbit.weight_update,
-        block_size=lowbit.block_size,
-        min_quantized_numel=lowbit.min_quantized_numel,
-        seed=seed,
-        nonfinite_grad=lowbit.nonfinite_grad,
-        **OPTIMIZERS[name],
-    )
     early = optimizer_config.early_step_in_backward
     pipelined = parallel_dims is not None and parallel_dims.pp_enabled
-    factory = NamedParamsOptimizer(LowBitAdamW, model_parts, lowbit.fp32_states,
+    shared = dict(lr=optimizer_config.lr, weight_decay=optimizer_config.weight_decay,
+                  weight_update=lowbit.weight_update, block_size=lowbit.block_size,
+                  min_quantized_numel=lowbit.min_quantized_numel, seed=seed,
+                  nonfinite_grad=lowbit.nonfinite_grad)
+    adamw_options = dict(betas=(optimizer_config.beta1, optimizer_config.beta2), eps=optimizer_config.eps)
+    if is_muon_name(name):
+        optimizer_cls, kwargs = _muon_optimizer(name, lowbit, model_parts, parallel_dims, shared, adamw_options)
+    else:
+        from titan_lowbit.optim import LowBitAdamW, OPTIMIZERS
+
+        optimizer_cls, kwargs = LowBitAdamW, {**shared, **adamw_options, **OPTIMIZERS[name]}
+    factory = NamedParamsOptimizer(optimizer_cls, model_parts, lowbit.fp32_states,
                                    seed_by_names=early or pipelined)
     if early:
         return LowBitOptimizersInBackwardContainer(model_parts, factory, kwargs)
     container = LowBitOptimizersContainer(model_parts, factory, kwargs)
     return container
+
+
+def _muon_optimizer(name: str, lowbit: LowBit, model_parts: list[nn.Module], parallel_dims,
+                    shared: dict, adamw_options: dict) -> tuple[type, dict]:
+    """LowBitMuon and its keyword arguments for Muon name ``name``: the options both parts
+    share, ``[lowbit] muon_momentum`` for Muon, ``adamw_options`` ([optimizer] betas and
+    eps) for its inner AdamW, and ``[lowbit] muon_adamw_fqns`` where it differs from
+    LowBitMuon's own default (each of its fragments must then select a parameter)."""
+    if parallel_dims is not None and parallel_dims.pp_enabled:
+        raise NotImplementedError(
+            f"[optimizer] name = {name!r} with [parallelism] pipeline_parallel_degree = {parallel_dims.pp}: "
+            "Muon is not supported with pipeline parallelism yet (one optimizer per stage, each "
+            "stepping its own matrices). Set pipeline_parallel_degree = 1, or choose an AdamW name.")
+    from titan_lowbit.optim import LowBitMuon, MUON_OPTIMIZERS
+
+    adamw_fqns = None
+    if "muon_adamw_fqns" in muon_keys_set(lowbit):
+        adamw_fqns = list(lowbit.muon_adamw_fqns)
+        check_every_fragment_selects("muon_adamw_fqns", adamw_fqns,
+                                     [n for m in model_parts for n, p in m.named_parameters() if p.requires_grad],
+                                     "trainable parameter of the model")
+    return LowBitMuon, {**shared, "momentum": lowbit.muon_momentum, "adamw_fqns": adamw_fqns,
+                        "adamw_options": adamw_options, **MUON_OPTIMIZERS[name]}
 
 
 class LowBitOptimizersContainer(OptimizersContainer):
@@ -291,7 +367,11 @@ def describe(optimizers: OptimizersContainer, optimizer_name: str, lowbit: LowBi
     params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in params})
     first = next(iter(optimizers))
-    if is_lowbit(first):
+    if is_muon(first):
+        fmt = first.defaults["state_format"]
+        opt_desc = (f"{optimizer_name} (titan_lowbit, state format {fmt}: {muon_share(first)}"
+                    f"{_fp32_states_share(optimizers, lowbit)})")
+    elif is_lowbit(first):
         fmt = first.defaults["state_format"]
         opt_desc = f"{optimizer_name} (titan_lowbit, state format {fmt}{_fp32_states_share(optimizers, lowbit)})"
     else:

@@ -13,6 +13,8 @@ plugs in at those points, without touching torchtitan's module state:
   ``min_quantized_numel``); ``optimizer_factory_kwargs_by_name`` its per-optimizer ones
   (``nonfinite_grad``, ``seed``). A torch ``Adam``/``AdamW`` group given a bf16 update
   rule torch lacks is stepped by LowBitAdamW with fp32 states, as on the 0.2 line.
+  The Muon names (``Muon``, ``Muon8bit``, ``Muon4bit``, ``MuonFp8``) are param-group
+  names too, built as one ``LowBitMuon`` per model part (:func:`_build_muon`).
 - :class:`BitNetLinear` is torchtitan's ``Linear`` with a BitNet b1.58 weight;
   :class:`BitNetConverter` (a ``ModelConfigConverter``) puts it in place of the
   ``Linear`` configs whose FQN matches its globs (default: every linear of the
@@ -23,8 +25,9 @@ plugs in at those points, without touching torchtitan's module state:
   all-reduce, checks a checkpoint's optimizer layout before loading it
   (:class:`CheckedCheckpointManager`), and logs one line saying what titan_lowbit changed.
 - ``@override`` factories for configs titan_lowbit did not write:
-  :func:`lowbit_adamw` (every ``Adam``/``AdamW`` group becomes a titan_lowbit optimizer)
-  and :func:`bitnet` (the transformer layers' linears become BitNet linears).
+  :func:`lowbit_adamw` (every ``Adam``/``AdamW`` group becomes a titan_lowbit optimizer),
+  :func:`lowbit_muon` (the low-bit AdamW groups become a Muon name) and :func:`bitnet`
+  (the transformer layers' linears become BitNet linears).
 
 The ready configs are in :mod:`titan_lowbit.torchtitan.config_registry`.
 """
@@ -64,7 +67,10 @@ from titan_lowbit.torchtitan import cpu_device, datasets
 from titan_lowbit.torchtitan.lowbit_optimizers import (
     FP32_ADAMW_STATE_BYTES,
     TORCH_OPTIMIZERS,
+    check_muon_skip,
     is_lowbit,
+    is_muon,
+    muon_share,
     settled_step,
     state_bytes_per_param,
 )
@@ -76,6 +82,9 @@ logger = logging.getLogger(__name__)
 # optimizer_kwargs, or the optimizer's factory kwargs (one value per optimizer).
 GROUP_OPTIONS = ("weight_update", "block_size", "min_quantized_numel")
 OPTIMIZER_OPTIONS = ("nonfinite_grad", "seed")
+# LowBitMuon's per-optimizer option beside those: the name fragments of the 2-D parameters
+# its inner AdamW steps (default muon_groups.DEFAULT_ADAMW_FQNS).
+MUON_OPTIMIZER_OPTIONS = (*OPTIMIZER_OPTIONS, "adamw_fqns")
 # torchtitan's implementation switch, which it adds to every group: titan_lowbit's
 # optimizers always run their own fused multi-tensor kernel.
 IMPLEMENTATION_KEYS = ("fused", "foreach")
@@ -91,23 +100,23 @@ def _put(parent, attr, config) -> None:
 
 def lowbit_names() -> list[str]:
     """titan_lowbit's optimizer names (torch's Adam/AdamW are torchtitan's own)."""
-    from titan_lowbit.optim import OPTIMIZERS
+    from titan_lowbit.optim import MUON_OPTIMIZERS, OPTIMIZERS
 
-    return [n for n in OPTIMIZERS if n not in TORCH_OPTIMIZERS]
+    return [n for n in OPTIMIZERS if n not in TORCH_OPTIMIZERS] + list(MUON_OPTIMIZERS)
 
 
-def _build_lowbit(name: str, param_groups: list[dict[str, Any]], **optimizer_kwargs) -> torch.optim.Optimizer:
-    """Build LowBitAdamW for the param groups torchtitan gathered under ``name``."""
-    from titan_lowbit.optim import OPTIMIZERS, LowBitAdamW
-
+def _checked_groups(name: str, param_groups: list[dict[str, Any]], fixed: dict[str, Any]) -> list[dict[str, Any]]:
+    """The param groups torchtitan gathered under titan_lowbit's ``name`` without its
+    implementation switch, refused where a group sets what the name fixes (``fixed``)
+    or a bf16 update rule for fp32 weights."""
     groups = []
     for group in param_groups:
         group = {k: v for k, v in group.items() if k not in IMPLEMENTATION_KEYS}
-        clash = sorted(set(OPTIMIZERS[name]) & set(group))
+        clash = sorted(set(fixed) & set(group))
         if clash:
             raise ValueError(
                 f"optimizer {name!r}: optimizer_kwargs sets {clash}, which the name fixes "
-                f"({OPTIMIZERS[name]}); remove {'them' if len(clash) > 1 else 'it'}, or name the "
+                f"({fixed}); remove {'them' if len(clash) > 1 else 'it'}, or name the "
                 "optimizer that has the format wanted"
             )
         if group.get("weight_update", "nearest") != "nearest" and not any(
@@ -120,14 +129,48 @@ def _build_lowbit(name: str, param_groups: list[dict[str, Any]], **optimizer_kwa
                 "(--training.dtype bfloat16) for full-BF16 training, or remove weight_update."
             )
         groups.append(group)
-    unknown = sorted(set(optimizer_kwargs) - set(OPTIMIZER_OPTIONS))
+    return groups
+
+
+def _check_factory_kwargs(name: str, optimizer_kwargs: dict[str, Any], valid: tuple[str, ...],
+                          group_options: tuple[str, ...]) -> None:
+    unknown = sorted(set(optimizer_kwargs) - set(valid))
     if unknown:
         raise ValueError(
-            f"optimizer_factory_kwargs_by_name[{name!r}] has {unknown}; titan_lowbit's optimizers "
-            f"take {list(OPTIMIZER_OPTIONS)} there, and the per-group options {list(GROUP_OPTIONS)} "
-            "in a param group's optimizer_kwargs"
+            f"optimizer_factory_kwargs_by_name[{name!r}] has {unknown}; {name} takes {list(valid)} there, "
+            f"and the per-group options {list(group_options)} in a param group's optimizer_kwargs"
         )
+
+
+def _build_lowbit(name: str, param_groups: list[dict[str, Any]], **optimizer_kwargs) -> torch.optim.Optimizer:
+    """Build LowBitAdamW for the param groups torchtitan gathered under ``name``."""
+    from titan_lowbit.optim import OPTIMIZERS, LowBitAdamW
+
+    groups = _checked_groups(name, param_groups, OPTIMIZERS[name])
+    _check_factory_kwargs(name, optimizer_kwargs, OPTIMIZER_OPTIONS, GROUP_OPTIONS)
     return LowBitAdamW(groups, **optimizer_kwargs, **OPTIMIZERS[name])
+
+
+def _build_muon(name: str, param_groups: list[dict[str, Any]], **optimizer_kwargs) -> torch.optim.Optimizer:
+    """Build LowBitMuon for the param groups torchtitan gathered under Muon name ``name``.
+
+    torchtitan routes parameters to optimizer names by regex, but Muon's own rule (2-D
+    matrices to Muon; norms, biases, embeddings and the head to AdamW) is by shape and
+    name, and LowBitMuon keeps both parts in one optimizer. So a Muon name's group is
+    handed to LowBitMuon whole and split there: its 2-D parameters whose FQN contains none
+    of ``adamw_fqns`` go to Muon, the rest to the inner AdamW (two param groups in this
+    optimizer, Muon's first); ``use_muon`` in a group's ``optimizer_kwargs`` says it
+    instead. A group's ``optimizer_kwargs`` reach the part they belong to: ``betas`` and
+    ``eps`` the inner AdamW, ``momentum`` (and LowBitMuon's other Muon options) Muon,
+    ``lr``, ``weight_decay``, ``weight_update``, ``block_size`` and
+    ``min_quantized_numel`` both. Groups of other names (e.g. torch's ``AdamW`` for norms
+    and embeddings) stay as they are: a parameter routed there never reaches Muon."""
+    from titan_lowbit.optim import MUON_OPTIMIZERS, LowBitMuon
+    from titan_lowbit.optim.muon_groups import MUON_ONLY_OPTIONS
+
+    groups = _checked_groups(name, param_groups, MUON_OPTIMIZERS[name])
+    _check_factory_kwargs(name, optimizer_kwargs, MUON_OPTIMIZER_OPTIONS, (*GROUP_OPTIONS, *MUON_ONLY_OPTIONS))
+    return LowBitMuon(groups, **optimizer_kwargs, **MUON_OPTIMIZERS[name])
 
 
 def _wants_lowbit(group_options: dict[str, Any], optimizer_options: dict[str, Any]) -> bool:
@@ -182,13 +225,21 @@ class LowBitOptimizersContainer(OptimizersContainer):
             factory_kwargs.setdefault(name, {}).setdefault("seed", seed)
         super().__init__(replace(config, optimizer_factory_kwargs_by_name=factory_kwargs),
                          model_parts=model_parts)
+        check_muon_skip(self.optimizers, self._optimizer_name)
         if config.implementation != "fused" and any(is_lowbit(o) for o in self.optimizers):
             logger.info(f"titan_lowbit: optimizer implementation = {config.implementation!r} applies to "
                         "torch's optimizers; titan_lowbit's run their own fused kernel")
         logger.info(describe(self))
 
+    def _optimizer_name(self, i: int) -> str:
+        return f"optimizer {i} ({type(self.optimizers[i]).__name__})"
+
     @staticmethod
     def _resolve_optimizer_factory(name: str):
+        from titan_lowbit.optim import MUON_OPTIMIZERS
+
+        if name in MUON_OPTIMIZERS:
+            return functools.partial(_build_muon, name)
         if name in lowbit_names():
             return functools.partial(_build_lowbit, name)
         if name in TORCH_OPTIMIZERS:
@@ -206,8 +257,8 @@ class LowBitOptimizersContainer(OptimizersContainer):
         # Each optimizer's own step, as torchtitan's container steps them; not through
         # OptimizersContainer.step, which torch may have wrapped with the step hooks too
         # (once any plain container exists): this container's hooks would run twice.
-        settled_step(self.optimizers, lambda: [opt.step() for opt in self.optimizers],
-                     lambda i: f"optimizer {i} ({type(self.optimizers[i]).__name__})", "optimizers")
+        settled_step(self.optimizers, lambda: [opt.step() for opt in self.optimizers], self._optimizer_name,
+                     "optimizers")
 
 
 def describe(optimizers: OptimizersContainer) -> str:
@@ -220,7 +271,9 @@ def describe(optimizers: OptimizersContainer) -> str:
             updates = "/".join(sorted({g["weight_update"] for g in opt.param_groups}))
             fmt = "/".join(sorted({g["state_format"] for g in opt.param_groups}))
             update = updates if "bfloat16" in dtypes else "exact (fp32 weights)"
-            parts.append(f"{len(params)} params: titan_lowbit {fmt} states, weights {dtypes}, bf16 update {update}")
+            muon = f" ({muon_share(opt)})" if is_muon(opt) else ""
+            parts.append(f"{len(params)} params: titan_lowbit {fmt} states{muon}, weights {dtypes}, "
+                         f"bf16 update {update}")
         else:
             parts.append(f"{len(params)} params: torch {type(opt).__name__}, weights {dtypes}")
     bitnet = sum(1 for m in optimizers.model_parts for p in m.parameters() if local_training_weight(p) is not None)
@@ -446,13 +499,50 @@ def lowbit_adamw(cfg: OptimizersContainer.Config, name: str = "AdamW8bit", seed:
 
     if name not in OPTIMIZERS:
         raise ValueError(f"lowbit_adamw: name = {name!r}; choose one of {sorted(OPTIMIZERS)}")
-    unknown = sorted(set(group_options) - set(GROUP_OPTIONS))
-    if unknown:
-        raise ValueError(f"lowbit_adamw: unknown option(s) {unknown}; valid: name, seed, nonfinite_grad, "
-                         f"{', '.join(GROUP_OPTIONS)}")
     family = "AdamW" if OPTIMIZERS[name]["decoupled_weight_decay"] else "Adam"
     members = {n for n, options in OPTIMIZERS.items() if n.startswith(family)
                and options["decoupled_weight_decay"] == OPTIMIZERS[name]["decoupled_weight_decay"]}
+    return _renamed(cfg, "lowbit_adamw", name, members, f"the {family} groups", group_options,
+                    dict(nonfinite_grad=nonfinite_grad), seed)
+
+
+@override(target=OptimizersContainer.Config,
+          description="titan_lowbit: Muon with low-bit momentum")
+def lowbit_muon(cfg: OptimizersContainer.Config, name: str = "Muon8bit", seed: int | None = None,
+                nonfinite_grad: str | None = None, adamw_fqns: list[str] | None = None,
+                **group_options) -> LowBitOptimizersContainer.Config:
+    """``--override.imports 'titan_lowbit.torchtitan.v03.lowbit_muon={"name": "Muon8bit",
+    "weight_update": "stochastic"}'``: the groups of titan_lowbit's AdamW names
+    (``AdamW8bit``, ``AdamW4bit``, ``AdamWFp8``) become Muon name ``name``, or, in a config
+    without any, the groups of torch's ``AdamW``; with the given per-group options
+    (``weight_update``, ``block_size``, ``min_quantized_numel``, ``momentum`` and
+    LowBitMuon's other Muon options). Other groups stay: in the ready configs, torch's
+    AdamW keeps the norms, biases and embeddings, and the Muon name's inner AdamW steps the
+    output head (``adamw_fqns``, default LowBitMuon's: embeddings and heads by name)."""
+    from titan_lowbit.optim import MUON_OPTIMIZERS, OPTIMIZERS
+    from titan_lowbit.optim.muon_groups import MUON_ONLY_OPTIONS
+
+    if name not in MUON_OPTIMIZERS:
+        raise ValueError(f"lowbit_muon: name = {name!r}; choose one of {sorted(MUON_OPTIMIZERS)}")
+    lowbit_adamw_names = {n for n, o in OPTIMIZERS.items() if o["decoupled_weight_decay"] and n not in TORCH_OPTIMIZERS}
+    present = {pg.optimizer_name for pg in cfg.param_groups}
+    members = lowbit_adamw_names if present & lowbit_adamw_names else {"AdamW"}
+    return _renamed(cfg, "lowbit_muon", name, members, f"the groups of {sorted(members)}", group_options,
+                    dict(nonfinite_grad=nonfinite_grad, adamw_fqns=adamw_fqns), seed,
+                    (*GROUP_OPTIONS, *MUON_ONLY_OPTIONS))
+
+
+def _renamed(cfg: OptimizersContainer.Config, who: str, name: str, members: set[str], what: str,
+             group_options: dict[str, Any], factory_options: dict[str, Any], seed: int | None,
+             valid: tuple[str, ...] = GROUP_OPTIONS) -> LowBitOptimizersContainer.Config:
+    """``cfg`` as a LowBitOptimizersContainer config whose param groups named one of
+    ``members`` are named ``name``, with ``group_options`` over their optimizer_kwargs,
+    ``factory_options`` (those not None) as ``name``'s factory kwargs and ``seed``; for
+    override ``who``, which replaces ``what``."""
+    unknown = sorted(set(group_options) - set(valid))
+    if unknown:
+        raise ValueError(f"{who}: unknown option(s) {unknown}; valid: name, seed, "
+                         f"{', '.join(factory_options)}, {', '.join(valid)}")
     groups, matched = [], 0
     for pg in cfg.param_groups:
         if pg.optimizer_name in members:
@@ -460,11 +550,12 @@ def lowbit_adamw(cfg: OptimizersContainer.Config, name: str = "AdamW8bit", seed:
             matched += 1
         groups.append(pg)
     if not matched:
-        raise ValueError(f"lowbit_adamw: name = {name!r} replaces the {family} groups, but the config's "
+        raise ValueError(f"{who}: name = {name!r} replaces {what}, but the config's "
                          f"param groups use {sorted({pg.optimizer_name for pg in cfg.param_groups})}")
     factory = {k: dict(v) for k, v in cfg.optimizer_factory_kwargs_by_name.items()}
-    if nonfinite_grad is not None:
-        factory.setdefault(name, {})["nonfinite_grad"] = nonfinite_grad
+    for key, value in factory_options.items():
+        if value is not None:
+            factory.setdefault(name, {})[key] = value
     new = derive(cfg, LowBitOptimizersContainer.Config, param_groups=groups,
                  optimizer_factory_kwargs_by_name=factory)
     if seed is not None:
