@@ -98,6 +98,24 @@ def test_optimizer_settings_that_would_be_ignored_are_refused(name, lowbit, earl
                                 None, lowbit=LowBit(**lowbit), seed=0, base_builder=build_optimizers)
 
 
+@pytest.mark.parametrize("lowbit", [dict(block_size=64), dict(min_quantized_numel=1)])
+def test_quantization_keys_with_torch_adamw_on_bf16_weights_are_refused(lowbit):
+    """torch's AdamW with a bf16 weight update is built as LowBitAdamW with fp32 states:
+    nothing is quantized, so the quantization keys would change nothing."""
+    from torchtitan.components.optimizer import build_optimizers
+    from torchtitan.config import Optimizer as OptimizerConfig
+
+    from titan_lowbit.config import LowBit
+    from titan_lowbit.torchtitan.optimizer_builder import build_lowbit_optimizers
+
+    key = next(iter(lowbit))
+    with pytest.raises(ValueError, match=rf"\[lowbit\] {key} set, but \[optimizer\] name = 'AdamW' keeps fp32 "
+                                         r"states.*\(Adam4bit, Adam8bit, AdamFp8, AdamW4bit, AdamW8bit, AdamWFp8\)"):
+        build_lowbit_optimizers([torch.nn.Linear(64, 64).to(torch.bfloat16)], OptimizerConfig(name="AdamW"), None,
+                                lowbit=LowBit(weight_update="stochastic", **lowbit), seed=0,
+                                base_builder=build_optimizers)
+
+
 # ---- registration -------------------------------------------------------------------
 
 def test_unknown_converter_lists_registered_ones():

@@ -140,12 +140,11 @@ def check_fp32_states(name: str, fp32_states: list[str], fqns: list[str]) -> Non
     ``fqns`` (all the model's trainable parameters), a selection of every parameter."""
     if not fp32_states:
         return
-    if name in TORCH_OPTIMIZERS or _fp32_muon(name):
+    if _fp32_states(name):
         raise ValueError(
             f"[lowbit] fp32_states = {fp32_states} keeps the selected parameters' optimizer "
             f"states in fp32, but [optimizer] name = {name!r} keeps every state in fp32 already. "
-            "Remove fp32_states, or choose a name of a low-bit format "
-            f"({', '.join(n for n in valid_optimizer_names() if n not in TORCH_OPTIMIZERS and not _fp32_muon(n))}).")
+            f"Remove fp32_states, or choose a name of a low-bit format ({', '.join(_low_bit_names(name))}).")
     check_every_fragment_selects("fp32_states", fp32_states, fqns, "trainable parameter of the model")
     if all(selects(n, fp32_states) for n in fqns):
         raise ValueError(
@@ -159,11 +158,17 @@ def check_fp32_states(name: str, fp32_states: list[str], fqns: list[str]) -> Non
 FP32_NAMES = {False: '"AdamW" (or "Adam")', True: '"Muon"'}
 
 
-def _fp32_muon(name: str) -> bool:
-    """Whether ``name`` is the Muon name of fp32 states (no quantization)."""
-    from titan_lowbit.optim import MUON_OPTIMIZERS
+def _fp32_states(name: str) -> bool:
+    """Whether optimizer ``name`` keeps fp32 states (nothing quantized): torch's Adam / AdamW
+    (also where a bf16 weight update builds them as LowBitAdamW), fp32 Muon."""
+    from titan_lowbit.optim import MUON_OPTIMIZERS, OPTIMIZERS
 
-    return MUON_OPTIMIZERS.get(name, {}).get("state_format") == FP32_STATES_FORMAT
+    return {**OPTIMIZERS, **MUON_OPTIMIZERS}.get(name, {}).get("state_format") == FP32_STATES_FORMAT
+
+
+def _low_bit_names(name: str) -> list[str]:
+    """The names of ``name``'s family (AdamW / Adam, or Muon) whose states are quantized."""
+    return [n for n in valid_optimizer_names() if is_muon_name(n) == is_muon_name(name) and not _fp32_states(n)]
 
 
 def trainable_fqns(model_parts: list[nn.Module], parallel_dims) -> list[str]:
@@ -199,15 +204,14 @@ def check_combination(name: str, lowbit: LowBit, early_step_in_backward: bool,
                 f"choose a titan_lowbit optimizer "
                 f"({', '.join(n for n in valid_optimizer_names() if n not in TORCH_OPTIMIZERS)})."
             )
-    if _fp32_muon(name):
+    elif _fp32_states(name):
         defaults = LowBit()
         ignored = [k for k in ("block_size", "min_quantized_numel") if getattr(lowbit, k) != getattr(defaults, k)]
         if ignored:
             raise ValueError(
                 f"[lowbit] {', '.join(ignored)} set, but [optimizer] name = {name!r} keeps fp32 states, "
-                f"which are not quantized. Remove {'them' if len(ignored) > 1 else 'it'}, or choose a Muon "
-                f"name of a low-bit format "
-                f"({', '.join(n for n in valid_optimizer_names() if is_muon_name(n) and not _fp32_muon(n))}).")
+                f"which are not quantized. Remove {'them' if len(ignored) > 1 else 'it'}, or choose a name "
+                f"of a low-bit format ({', '.join(_low_bit_names(name))}).")
     if not is_muon_name(name) and (keys := muon_keys_set(lowbit)):
         raise ValueError(
             f"[lowbit] {', '.join(keys)} set, but [optimizer] name = {name!r} is not a Muon optimizer: "
