@@ -230,7 +230,7 @@ def _model(dtype):
 @pytest.mark.parametrize("fmt,dtype,update,nonfinite", [
     ("8bit", torch.bfloat16, "stochastic", "raise"), ("4bit", torch.bfloat16, "master_remainder", "ignore"),
     ("fp32", torch.float32, "nearest", "skip"), ("fp8", torch.bfloat16, "kahan", "raise")])
-def test_optimizer_fused_path_matches_reference_path(fmt, dtype, update, nonfinite):
+def test_optimizer_fused_path_matches_reference_path(fmt, dtype, update, nonfinite, monkeypatch):
     """LowBitMuon with the kernels (forced on the CPU under the interpreter; on CUDA the
     path it takes) against the reference path on the CPU: identical weights and states
     after a few steps; a nan gradient in a Muon matrix stops its step on both paths alike."""
@@ -246,6 +246,8 @@ def test_optimizer_fused_path_matches_reference_path(fmt, dtype, update, nonfini
         fused_opt._use_fused = lambda t: True
     else:
         ref_opt._use_fused = lambda t: False
+    write_weight, writes = K.write_weight, []
+    monkeypatch.setattr(K, "write_weight", lambda *a, **k: (writes.append(1), write_weight(*a, **k))[1])
     gen = torch.Generator().manual_seed(4)
     for step in range(4):
         for p, q in zip(ref_model.parameters(), fused_model.parameters()):
@@ -261,6 +263,7 @@ def test_optimizer_fused_path_matches_reference_path(fmt, dtype, update, nonfini
             except FloatingPointError as e:
                 outcomes.append(str(e))
         assert outcomes[0] == outcomes[1]
+    assert len(writes) == 3 * (4 - (nonfinite == "skip"))  # the fused path stepped every matrix
     for (name, p), q in zip(ref_model.named_parameters(), fused_model.parameters()):
         states = [(k, v, fused_opt.state[q][k]) for k, v in ref_opt.state[p].items()]
         for what, a, b in [("weight", p.detach(), q.detach())] + states:
