@@ -29,11 +29,13 @@ format; every step dequantizes it, updates it in fp32 and requantizes it. The fp
 lands in the weight by the same rules (and the same code) as AdamW's step:
 ``adamw_lowbit_ref.land_weight``.
 
-This is the only implementation so far (no fused Triton kernel yet): it runs on any
-device, in the same ops on the GPU as on the CPU. It comes in phases
-(``momentum_and_input``, ``newton_schulz``, ``new_weight``, ``write_step``) so that a
-sharded matrix (``titan_lowbit.optim.muon_exchange``) runs the elementwise phases on its
-shard and Newton-Schulz on the whole matrix, with the same ops as ``muon_step_reference``.
+This is the pure-PyTorch twin of the fused kernels of ``muon_lowbit.py`` (the elementwise
+phases; Newton-Schulz is these matmuls on either path): the same fp32 operations in the
+same order, so that under ``TRITON_INTERPRET=1`` the two agree bit for bit; it is what runs
+where there is no GPU. It comes in phases (``momentum_and_input``, ``newton_schulz``,
+``new_weight``, ``write_step``) so that a sharded matrix
+(``titan_lowbit.optim.muon_exchange``) runs the elementwise phases on its shard and
+Newton-Schulz on the whole matrix, with the same ops as ``muon_step_reference``.
 """
 
 from __future__ import annotations
@@ -69,6 +71,15 @@ def newton_schulz(u: torch.Tensor, steps: int = NS_STEPS,
         gram = x @ x.T
         x = a * x + (b * gram + (c * gram) @ gram) @ x  # the reference's order of bf16 roundings
     return x if wide else x.T
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int = NS_STEPS) -> int:
+    """Floating-point operations of ``newton_schulz`` on a ``[rows, cols]`` matrix, counted
+    as its matmuls' 2 m n k: per step, on the wide orientation ``[r, c]`` (r <= c), the
+    Gram matrix ``X X^T`` (2 r^2 c), ``A A`` (2 r^3) and ``B X`` (2 r^2 c). The elementwise
+    operations (a few r^2 + r c per step) are left out."""
+    r, c = min(rows, cols), max(rows, cols)
+    return steps * (4 * r * r * c + 2 * r ** 3)
 
 
 def update_scale(rows: int, cols: int, matched_rms: float = MATCHED_RMS) -> float:
@@ -134,10 +145,15 @@ def store_momentum(cfg: MuonConfig, t: MuonTensor, m: torch.Tensor) -> None:
 def momentum_and_input(cfg: MuonConfig, t: MuonTensor, grad: torch.Tensor,
                        hyper: MuonHyper) -> tuple[torch.Tensor, torch.Tensor]:
     """(new momentum ``M``, Newton-Schulz input ``U``), both fp32 and elementwise: a shard
-    of the matrix gives the shard of both."""
+    of the matrix gives the shard of both. Both are the momentum moved toward the gradient
+    by ``1 - beta``, ``x + (1 - beta) * (G - x)``: torch's ``lerp`` for ``beta >= 0.5`` (as
+    the published Muon writes them) without its fused multiply-add, in the fused kernel's
+    operations (``muon_lowbit``)."""
     g = grad.to(torch.float32)
-    m = load_momentum(cfg, t).lerp(g, 1.0 - hyper.momentum)
-    return m, (g.lerp(m, hyper.momentum) if cfg.nesterov else m)
+    one_minus_beta = torch.tensor(1.0 - hyper.momentum, dtype=torch.float32, device=g.device)
+    m = load_momentum(cfg, t)
+    m = m + one_minus_beta * (g - m)
+    return m, (m + one_minus_beta * (g - m) if cfg.nesterov else m)
 
 
 def new_weight(cfg: MuonConfig, t: MuonTensor, o: torch.Tensor, hyper: MuonHyper,

@@ -26,6 +26,7 @@ import torch.nn as nn
 from conftest import run_on_gloo
 from titan_lowbit.kernels import adamw_lowbit as K
 from titan_lowbit.kernels import adamw_lowbit_ref as R
+from titan_lowbit.kernels import optim_jit as J
 from titan_lowbit.optim import LowBitAdamW
 
 FORMATS = ["fp32", "bf16", "8bit", "4bit", "fp8"]
@@ -116,9 +117,9 @@ def test_kernel_twins_give_the_reference_bits():
     @triton.jit
     def twins(w_ptr, r_ptr, x_ptr, w2_ptr, r2_ptr, N: tl.constexpr):
         offs = tl.program_id(0) * N + tl.arange(0, N)
-        x = K._master_rebuild(tl.load(w_ptr + offs), tl.load(r_ptr + offs))
+        x = J._master_rebuild(tl.load(w_ptr + offs), tl.load(r_ptr + offs))
         tl.store(x_ptr + offs, x)
-        w2, r2 = K._master_split(x)
+        w2, r2 = J._master_split(x)
         tl.store(w2_ptr + offs, w2)
         tl.store(r2_ptr + offs, r2)
 

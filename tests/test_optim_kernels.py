@@ -16,6 +16,7 @@ import torch
 from conftest import INTERPRET
 from titan_lowbit.kernels import adamw_lowbit as K
 from titan_lowbit.kernels import adamw_lowbit_ref as R
+from titan_lowbit.kernels import optim_jit as J
 from titan_lowbit.kernels import quant_maps as Q
 from titan_lowbit.kernels.private_apis import private_api_ok
 
@@ -250,7 +251,7 @@ def test_stochastic_rounding_of_special_values(idx32):
     def sr_kernel(x_ptr, out_ptr, gbase, key, N: tl.constexpr, IDX32: tl.constexpr):
         offs = tl.arange(0, N)
         gidx = (gbase + offs).to(tl.uint32) if IDX32 else gbase + offs.to(tl.int64)
-        out = K._bf16_stochastic(tl.load(x_ptr + offs), gidx, key.to(tl.uint32), IDX32)
+        out = J._bf16_stochastic(tl.load(x_ptr + offs), gidx, key.to(tl.uint32), IDX32)
         tl.store(out_ptr + offs, out)
 
     gen = torch.Generator().manual_seed(11)

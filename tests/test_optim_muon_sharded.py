@@ -7,6 +7,7 @@ go to the tests below:
 * sharded steps give the same bits as unsharded ones (weights and states), for fp32,
   8-bit and 4-bit momentum and bf16 weight updates (stochastic rounding included), with
   the Muon matrices orthogonalised by their owner ranks and the AdamW part beside them;
+* so do the fused kernels (interpreted) on the shards, against the reference unsharded;
 * the exchange sends what it says (bf16, the non-owners' shards both ways);
 * a DCP checkpoint (get/set_optimizer_state_dict) resumes bit for bit on 2 processes and
   loads on 1 process (here, in the test process) equal to the unsharded optimizer's state;
@@ -86,7 +87,7 @@ def _two_processes(rank, ckpt_dir):
     from titan_lowbit.optim import LowBitMuon
 
     mesh = init_device_mesh("cpu", (2,))
-    res = {"equal": {}}
+    res = {"equal": {}, "equal_fused": {}}
     for fmt, dtype, update in CASES:
         kw = dict(KW, state_format=fmt, weight_update=update)
         xs = inputs(2 * SAVE_AFTER, dtype)
@@ -136,12 +137,33 @@ def _two_processes(rank, ckpt_dir):
         train_mean_square(resumed, opt2, xs[SAVE_AFTER:])
         res["resumed_equal"] = same(resumed, opt2, ref, ref_opt)
 
-    # A nan in rank 1's shard of a Muon matrix: every rank stops, or skips, the step.
+    # The fused kernels (interpreted here: the ranks run on the CPU) on each rank's shards
+    # against the reference on the whole parameters; counted, so a path that never reached
+    # them would not pass.
+    from titan_lowbit.kernels import muon_lowbit
+
+    write_weight, writes = muon_lowbit.write_weight, []
+    muon_lowbit.write_weight = lambda *a, **k: (writes.append(1), write_weight(*a, **k))[1]
+    for fmt, dtype, update in CASES[:3]:
+        kw = dict(KW, state_format=fmt, weight_update=update)
+        xs = inputs(2, dtype)
+        ref, sh = muon_model(dtype), fsdp(muon_model(dtype), mesh)
+        ref_opt, opt = LowBitMuon(ref.named_parameters(), **kw), LowBitMuon(sh.named_parameters(), **kw)
+        opt._use_fused = lambda t: True
+        train_mean_square(ref, ref_opt, xs)
+        train_mean_square(sh, opt, xs)
+        res["equal_fused"][(fmt, update)] = same(sh, opt, ref, ref_opt) if writes else "fused path not taken"
+        writes.clear()
+
+    # A nan in rank 1's shard of a Muon matrix: every rank stops, or skips, the step
+    # (on the reference path; "raise" on the fused path too).
     kw = dict(KW, state_format="8bit", weight_update="stochastic")
     xs = inputs(2, torch.bfloat16)
-    for policy in ("raise", "skip"):
+    for policy in ("raise", "skip", "raise_fused"):
         model = fsdp(muon_model(), mesh)
-        opt = LowBitMuon(model.named_parameters(), **kw, nonfinite_grad=policy)
+        opt = LowBitMuon(model.named_parameters(), **kw, nonfinite_grad=policy.removesuffix("_fused"))
+        if policy == "raise_fused":
+            opt._use_fused = lambda t: True
         train_mean_square(model, opt, xs[:1])
         before = model[0].weight._local_tensor.clone()
         opt.zero_grad()
@@ -178,6 +200,11 @@ def test_states_are_dtensors_placed_like_their_parameters(two):
 @pytest.mark.parametrize("fmt,update", [(f, u) for f, _, u in CASES])
 def test_sharded_steps_equal_unsharded_bit_for_bit(two, fmt, update):
     assert two[0]["equal"][(fmt, update)] is True
+
+
+@pytest.mark.parametrize("fmt,update", [(f, u) for f, _, u in CASES[:3]])
+def test_fused_kernels_on_shards_equal_unsharded_reference_bit_for_bit(two, fmt, update):
+    assert two[0]["equal_fused"][(fmt, update)] is True
 
 
 def test_exchange_sends_the_non_owner_shards_in_bf16_both_ways(two):
@@ -221,6 +248,7 @@ def test_nonfinite_gradient_in_one_shard_stops_or_skips_every_rank(two):
     assert msg is not None and "param '0.weight'" in msg and skipped == 0 and unchanged
     msg, skipped, unchanged = two[0]["skip"]
     assert msg is None and skipped == 1 and unchanged
+    assert two[0]["raise_fused"] == two[0]["raise"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -240,7 +268,7 @@ def _four_processes(rank):
 
     from titan_lowbit.optim import LowBitMuon
 
-    res = {"equal": {}}
+    res = {"equal": {}, "equal_fused": {}}
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     # 8-bit blocks of 16: the rowwise matrix's 160 columns give each TP rank 80, whole blocks.
     for fmt, dtype, update in CASES[:2]:

@@ -25,6 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from titan_lowbit.kernels.adamw_interface import UPDATE_NEAREST, WEIGHT_UPDATES
+from titan_lowbit.kernels import muon_lowbit
 from titan_lowbit.kernels.muon_ref import (
     MATCHED_RMS,
     NS_COEFFICIENTS,
@@ -119,8 +120,13 @@ class LowBitMuon(torch.optim.Optimizer):
     one owner rank (``muon_exchange``), and the step gives the same bits as on one
     process holding the whole parameters.
 
-    Not yet: a fused kernel (the momentum is dequantized, updated and requantized in
-    PyTorch ops, ``kernels.muon_ref``). torchtitan reaches it through the Muon names
+    On CUDA the elementwise phases of each matrix (momentum dequantized, updated and
+    requantized with the Newton-Schulz input written; the scaled update landed in the
+    weight) run in fused Triton kernels (``kernels.muon_lowbit``), elsewhere in their
+    PyTorch reference (``kernels.muon_ref``): the same math, bit for bit under Triton's
+    interpreter.
+
+    torchtitan reaches it through the Muon names
     (``titan_lowbit.optim.MUON_OPTIMIZERS``).
     """
 
@@ -389,14 +395,23 @@ class LowBitMuon(torch.optim.Optimizer):
             self._adamw.step()
         guarded = self.nonfinite_grad != "ignore"
         matrices = [self._matrix(group, p) for group, p, _ in work]
-        ok = [True] * len(work)
+        ok: list = [True] * len(work)
         for i, ((_, p, g), (cfg, tensor, hyper)) in enumerate(zip(work, matrices)):
-            if not split_dims(p, self._names[p]):  # the whole matrix is here
+            if split_dims(p, self._names[p]):
+                continue
+            # the whole matrix is here
+            if not self._use_fused(tensor.param):
                 ok[i] = muon_step_reference(cfg, tensor, g, hyper, guarded=guarded)
+                continue
+            flag = torch.zeros(1, dtype=torch.int32, device=tensor.param.device) if guarded else None
+            muon_lowbit.muon_step_fused(cfg, tensor, g, hyper, flag)
+            ok[i] = True if flag is None else flag  # read below, once every matrix is launched
         for idx, exchange in self._sharded(work):
-            for i, good in zip(idx, self._step_sharded(exchange, [work[i] for i in idx],
-                                                       [matrices[i] for i in idx], guarded)):
+            steps = [work[i] for i in idx]
+            step = self._step_sharded_fused if self._use_fused(local(steps[0][1])) else self._step_sharded
+            for i, good in zip(idx, step(exchange, steps, [matrices[i] for i in idx], guarded)):
                 ok[i] = good
+        ok = [not bool(x.item()) if isinstance(x, torch.Tensor) else x for x in ok]
         for _, p, _ in work:
             self.state[p]["step"] += 1
         failed = [self._names[p] for (_, p, _), good in zip(work, ok) if not good]
@@ -488,6 +503,43 @@ class LowBitMuon(torch.optim.Optimizer):
             if good:
                 write_step(cfg, tensor, m, p_old, p_new, hyper)
         return ok
+
+    @staticmethod
+    def _step_sharded_fused(exchange: OwnerExchange, work: list, matrices: list, guarded: bool) -> list[bool]:
+        """``_step_sharded`` in the fused kernels (``kernels.muon_lowbit``): the momentum
+        kernel on each local shard (guarded: the new momentum staged), Newton-Schulz at the
+        owners, the weight kernel's CHECK launch, the flags agreed over the matrices'
+        ranks, the WRITE launch (which commits the staged momentum)."""
+        rects = exchange.rects[exchange.coord]
+        flags = torch.zeros(len(work), dtype=torch.int32, device=exchange.device) if guarded else None
+        staged, inputs = [], []
+        for j, ((_, p, g), (cfg, tensor, hyper)) in enumerate(zip(work, matrices)):
+            row0, col0 = rects[j][0], rects[j][1]
+            tensor.sr_base, tensor.sr_row_stride = row0 * p.shape[1] + col0, p.shape[1]
+            u, stage = muon_lowbit.momentum_and_input(cfg, tensor, g, hyper, None if flags is None else flags[j:j + 1])
+            inputs.append(u)
+            staged.append(stage)
+
+        def orthogonalise(j: int, whole: torch.Tensor) -> torch.Tensor:
+            hyper = matrices[j][2]
+            return newton_schulz(whole, hyper.ns_steps, hyper.ns_coefficients)
+
+        outputs = exchange.run(inputs, orthogonalise)
+        del inputs
+        if guarded:
+            for j, ((_, p, _), (cfg, tensor, hyper), o) in enumerate(zip(work, matrices, outputs)):
+                muon_lowbit.check_weight(cfg, tensor, o, hyper, tuple(p.shape), flags[j:j + 1])
+            flags.copy_((~exchange.all_finite(flags == 0)).to(torch.int32))
+        for j, ((_, p, _), (cfg, tensor, hyper), o) in enumerate(zip(work, matrices, outputs)):
+            muon_lowbit.write_weight(cfg, tensor, o, hyper, tuple(p.shape), None if flags is None else flags[j:j + 1],
+                                     staged[j])
+        return [True] * len(work) if flags is None else (flags == 0).tolist()
+
+    @staticmethod
+    def _use_fused(t: torch.Tensor) -> bool:
+        """The fused Triton kernels run on CUDA tensors; the PyTorch reference elsewhere
+        (as LowBitAdamW chooses)."""
+        return t.is_cuda
 
     def check_nonfinite(self) -> None:
         """The AdamW part's pending non-finite check (``LowBitAdamW.check_nonfinite``);
