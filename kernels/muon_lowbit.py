@@ -144,10 +144,10 @@ def _muon_weight_kernel(o_ptr, p_ptr, x_ptr, flag_ptr, sm_ptr, sms_ptr, m_ptr, m
     else:
         ST_EVEN: tl.constexpr = EVEN and not GUARD
         if GUARD:
-            keep = tl.load(flag_ptr) == 0
+            keep = tl.load(flag_ptr + bidx * 0) == 0  # the matrix's flag, in every block's lane
             bmask = bmask & keep
-            emask = emask & keep
-            cmask = cmask & keep
+            emask = emask & keep[:, None]
+            cmask = cmask & keep[:, None]
         gidx = 0  # stochastic rounding's global element indices (only that rule reads them)
         if UPDATE == _K_UPDATE_STOCHASTIC:
             row = bidx // bpr
