@@ -89,6 +89,7 @@ METRIC_PREFIX = "optimizer_health/"
 # Partial sums (all-reduced with SUM) and maxima (with MAX): positions in their vectors.
 _V_SMALLEST, _V_ENTRIES, _LOST, _NEAREST_ENTRIES, _RESIDUAL, _RESIDUAL_ENTRIES, _UPDATE_ENTRIES = range(7)
 _MAX_UPDATE, _SKIPPED = range(2)
+_N_SUMS, _N_MAXES = 7, 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,23 +141,32 @@ def counted_here(p: torch.Tensor) -> bool:
 
 
 class _Partial:
-    """A rank's partial sums and maxima, on the device of the states they come from."""
+    """A rank's partial sums and maxima: host numbers where the host knows them (element
+    counts), device scalars otherwise, gathered into one vector of each at the end (few
+    device ops per chunk, one host sync for all)."""
 
     def __init__(self) -> None:
-        self.sums: Optional[torch.Tensor] = None
-        self.maxes: Optional[torch.Tensor] = None
-
-    def on(self, device: torch.device) -> None:
-        if self.sums is None:
-            self.sums = torch.zeros(7, dtype=torch.float64, device=device)
-            self.maxes = torch.zeros(2, dtype=torch.float64, device=device)
+        self.sums: list[list] = [[] for _ in range(_N_SUMS)]
+        self.maxes: list[list] = [[] for _ in range(_N_MAXES)]
 
     def add(self, index: int, value: "torch.Tensor | float") -> None:
-        self.sums[index] += value
+        self.sums[index].append(value)
 
     def max(self, index: int, value: "torch.Tensor | float") -> None:
-        self.maxes[index] = torch.maximum(self.maxes[index], torch.as_tensor(value, dtype=torch.float64,
-                                                                              device=self.maxes.device))
+        self.maxes[index].append(value)
+
+    def vectors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sums, maxima) as float64 vectors on ``device`` (0 where nothing was added)."""
+        def total(values: list, reduce, host_reduce) -> torch.Tensor:
+            parts = [v.to(device=device, dtype=torch.float64).reshape(()) for v in values
+                     if isinstance(v, torch.Tensor)]
+            host = [float(v) for v in values if not isinstance(v, torch.Tensor)]
+            if host:
+                parts.append(torch.tensor(host_reduce(host), dtype=torch.float64, device=device))
+            return reduce(torch.stack(parts)) if parts else torch.zeros((), dtype=torch.float64, device=device)
+
+        return (torch.stack([total(v, torch.sum, sum) for v in self.sums]),
+                torch.stack([total(v, torch.max, max) for v in self.maxes]))
 
 
 def _row_chunks(t: AdamWTensor, quantized: bool) -> Iterator[AdamWTensor]:
@@ -284,7 +294,6 @@ def optimizer_health(optimizers: "Iterable[Any]") -> OptimizerHealth:
     initialized (every rank must call it then), and one host sync."""
     optimizers = list(optimizers)
     acc = _Partial()
-    acc.on(_device(optimizers))
     with torch.no_grad():
         for opt in optimizers:
             if hasattr(opt, "muon_params"):  # LowBitMuon: its Muon matrices, then its inner AdamW
@@ -293,7 +302,7 @@ def optimizer_health(optimizers: "Iterable[Any]") -> OptimizerHealth:
                     _add_adamw(acc, opt.adamw)
             else:
                 _add_adamw(acc, opt)
-    sums, maxes = acc.sums, acc.maxes
+    sums, maxes = acc.vectors(_device(optimizers))
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         if dist.get_backend() == "gloo":
             sums, maxes = sums.cpu(), maxes.cpu()
