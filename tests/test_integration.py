@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -82,6 +83,7 @@ def test_lowbit_value_of_the_wrong_type_is_refused(tmp_path, key, value, kind):
 @pytest.mark.parametrize("name,lowbit,early,match", [
     ("AdamW", dict(block_size=64), False, r"\[lowbit\] block_size set, but \[optimizer\] name = 'AdamW' is torch's"),
     ("AdamW", dict(nonfinite_grad="skip", min_quantized_numel=1), False, "min_quantized_numel, nonfinite_grad set"),
+    ("AdamW", dict(health_metrics=True), False, r"\[lowbit\] health_metrics set, but \[optimizer\] name = 'AdamW' is torch's"),
     ("AdamW8bit", dict(weight_update="stochastic"), False, "all parameters are fp32"),
     ("AdamW", dict(weight_update="kahan"), False, "all parameters are fp32"),
     ("AdamW8bit", dict(nonfinite_grad="skip"), True, "early_step_in_backward each parameter steps on its own"),
@@ -155,6 +157,22 @@ def test_train_specs_are_wrapped_and_flavor_registered():
     assert shapes["layers.0.feed_forward.w2.weight"] == (2048, 5632)
     assert len(model.layers) == 22
     assert 1.09e9 < sum(p.numel() for p in model.parameters()) < 1.11e9
+
+
+def test_health_metrics_need_torchtitans_own_metrics_processor():
+    """[lowbit] health_metrics adds its numbers to torchtitan's MetricsProcessor; a train
+    spec with a metrics processor of its own is refused (its numbers would go nowhere),
+    and kept as it is with health_metrics off."""
+    from titan_lowbit.config import LowBit
+    from titan_lowbit.torchtitan.health_metrics import wrap_build_metrics_processor
+
+    def own_processor(job_config, parallel_dims, model_args=None, tag=None):
+        return "own"
+
+    build = wrap_build_metrics_processor(own_processor)
+    assert build(SimpleNamespace(lowbit=LowBit()), None) == "own"
+    with pytest.raises(NotImplementedError, match=r"\[lowbit\] health_metrics = true: .*own_processor"):
+        build(SimpleNamespace(lowbit=LowBit(health_metrics=True)), None)
 
 
 @pytest.mark.trainer

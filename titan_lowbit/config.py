@@ -92,6 +92,16 @@ class LowBit:
     before each step (one more read of them and a host sync) and skips the whole step,
     counting it in the logs."""
 
+    health_metrics: bool = False
+    """Report the optimizer's health at every step torchtitan logs ([metrics] log_freq):
+    the largest update relative to lr, the fraction of quantized second moments at their
+    smallest code, skipped steps, and for bf16 weights the updates lost to rounding
+    (nearest) or the Kahan/master residual in ulps (docs/health_metrics.md). A second
+    console line after torchtitan's, and TensorBoard / Weights & Biases scalars under
+    optimizer_health/. Read from the states after the step, on logged steps only (one more
+    read of the optimizer states there; nothing on the other steps). For titan_lowbit's
+    optimizers: refused with torch's Adam/AdamW."""
+
     convert_optimizer_states: bool = False
     """Resume a checkpoint whose optimizer states have another layout than this run's
     ([optimizer] name's state format, or torch's Adam/AdamW; block_size, weight_update,

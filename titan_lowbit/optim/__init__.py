@@ -11,6 +11,7 @@ momentum of Muon's matrices and the moments of its inner AdamW in that format.
 from .adamw import LowBitAdamW
 from .convert import convert_state_dict
 from .formats import STATE_FORMATS, StateFormat
+from .health import OptimizerHealth, optimizer_health
 from .muon import LowBitMuon
 
 OPTIMIZERS: dict[str, dict] = {
@@ -32,5 +33,5 @@ MUON_OPTIMIZERS: dict[str, dict] = {
     "MuonFp8": dict(state_format="fp8"),
 }
 
-__all__ = ["LowBitAdamW", "LowBitMuon", "MUON_OPTIMIZERS", "OPTIMIZERS", "STATE_FORMATS", "StateFormat",
-           "convert_state_dict"]
+__all__ = ["LowBitAdamW", "LowBitMuon", "MUON_OPTIMIZERS", "OPTIMIZERS", "OptimizerHealth", "STATE_FORMATS",
+           "StateFormat", "convert_state_dict", "optimizer_health"]

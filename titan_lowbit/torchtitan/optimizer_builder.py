@@ -195,7 +195,7 @@ def check_combination(name: str, lowbit: LowBit, early_step_in_backward: bool,
         )
     if name in TORCH_OPTIMIZERS and lowbit.weight_update == "nearest":
         defaults = LowBit()
-        ignored = [k for k in ("block_size", "min_quantized_numel", "nonfinite_grad")
+        ignored = [k for k in ("block_size", "min_quantized_numel", "nonfinite_grad", "health_metrics")
                    if getattr(lowbit, k) != getattr(defaults, k)]
         if ignored:
             raise ValueError(

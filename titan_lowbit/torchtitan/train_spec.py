@@ -3,7 +3,7 @@
 The user keeps ``[model] name = "llama3"`` (or any built-in model). torchtitan's Trainer
 asks ``torchtitan.protocols.train_spec.get_train_spec(name)`` for the spec; titan_lowbit
 replaces that one function (a write into torchtitan listed in kernels/private_apis.py) with
-one that returns the same spec with four builders wrapped:
+one that returns the same spec with five builders wrapped:
 
 - ``parallelize_fn`` first refuses ``[lowbit] bitnet_*`` settings the job would ignore
   (``config.check_bitnet_keys``), applies ``[lowbit] weight_dtype`` to the (meta) model, so
@@ -15,7 +15,9 @@ one that returns the same spec with four builders wrapped:
 - ``build_tokenizer_fn`` gives a config that trains on ``lowbit_text`` without
   ``[model] hf_assets_path`` that corpus' tokenizer (:mod:`titan_lowbit.torchtitan.datasets`);
 - ``build_lr_schedulers_fn`` remembers the schedule's settings, which each checkpoint
-  keeps, so a resume that changes them says so (:mod:`titan_lowbit.torchtitan.lr_schedule`).
+  keeps, so a resume that changes them says so (:mod:`titan_lowbit.torchtitan.lr_schedule`);
+- ``build_metrics_processor_fn`` adds the optimizer's health to the logged metrics when
+  ``[lowbit] health_metrics`` asks for it (:mod:`titan_lowbit.torchtitan.health_metrics`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from titan_lowbit.torchtitan import cpu_device, datasets
 from titan_lowbit.bitnet import enable_tensor_parallel
 from titan_lowbit.config import check_bitnet_keys, lowbit_of
 from titan_lowbit.kernels.private_apis import patch
+from titan_lowbit.torchtitan.health_metrics import wrap_build_metrics_processor
 from titan_lowbit.torchtitan.lr_schedule import wrap_build_lr_schedulers
 from titan_lowbit.torchtitan.optimizer_builder import wrap_build_optimizers
 
@@ -126,6 +129,7 @@ def wrap(spec: train_spec_module.TrainSpec) -> train_spec_module.TrainSpec:
         build_optimizers_fn=wrap_build_optimizers(spec.build_optimizers_fn, job_config_of),
         build_tokenizer_fn=datasets.wrap_build_tokenizer(spec.build_tokenizer_fn),
         build_lr_schedulers_fn=wrap_build_lr_schedulers(spec.build_lr_schedulers_fn),
+        build_metrics_processor_fn=wrap_build_metrics_processor(spec.build_metrics_processor_fn),
     )
 
 
