@@ -478,20 +478,13 @@ class LowBitMuon(torch.optim.Optimizer):
         each local shard, Newton-Schulz on the whole matrix at its owner; returns per
         matrix whether it was written (the non-finite guard decides on every shard's
         values, on every rank alike)."""
-        rects = exchange.rects[exchange.coord]
+        _place_shards(exchange, work, matrices)
         moments, inputs = [], []
-        for j, ((_, p, g), (cfg, tensor, hyper)) in enumerate(zip(work, matrices)):
-            row0, col0 = rects[j][0], rects[j][1]
-            tensor.sr_base, tensor.sr_row_stride = row0 * p.shape[1] + col0, p.shape[1]
+        for (_, p, g), (cfg, tensor, hyper) in zip(work, matrices):
             m, u = momentum_and_input(cfg, tensor, g, hyper)
             moments.append(m)
             inputs.append(u.to(exchange.wire_dtype))  # what travels, rounded now: the fp32 copy is not kept
-
-        def orthogonalise(j: int, whole: torch.Tensor) -> torch.Tensor:
-            hyper = matrices[j][2]
-            return newton_schulz(whole, hyper.ns_steps, hyper.ns_coefficients)
-
-        outputs = exchange.run(inputs, orthogonalise)
+        outputs = exchange.run(inputs, _orthogonaliser(matrices))
         del inputs
         weights = [new_weight(cfg, tensor, o, hyper, tuple(p.shape))
                    for (_, p, _), (cfg, tensor, hyper), o in zip(work, matrices, outputs)]
@@ -510,21 +503,14 @@ class LowBitMuon(torch.optim.Optimizer):
         kernel on each local shard (guarded: the new momentum staged), Newton-Schulz at the
         owners, the weight kernel's CHECK launch, the flags agreed over the matrices'
         ranks, the WRITE launch (which commits the staged momentum)."""
-        rects = exchange.rects[exchange.coord]
+        _place_shards(exchange, work, matrices)
         flags = torch.zeros(len(work), dtype=torch.int32, device=exchange.device) if guarded else None
         staged, inputs = [], []
         for j, ((_, p, g), (cfg, tensor, hyper)) in enumerate(zip(work, matrices)):
-            row0, col0 = rects[j][0], rects[j][1]
-            tensor.sr_base, tensor.sr_row_stride = row0 * p.shape[1] + col0, p.shape[1]
             u, stage = muon_lowbit.momentum_and_input(cfg, tensor, g, hyper, None if flags is None else flags[j:j + 1])
             inputs.append(u)
             staged.append(stage)
-
-        def orthogonalise(j: int, whole: torch.Tensor) -> torch.Tensor:
-            hyper = matrices[j][2]
-            return newton_schulz(whole, hyper.ns_steps, hyper.ns_coefficients)
-
-        outputs = exchange.run(inputs, orthogonalise)
+        outputs = exchange.run(inputs, _orthogonaliser(matrices))
         del inputs
         if guarded:
             for j, ((_, p, _), (cfg, tensor, hyper), o) in enumerate(zip(work, matrices, outputs)):
@@ -535,11 +521,9 @@ class LowBitMuon(torch.optim.Optimizer):
                                      staged[j])
         return [True] * len(work) if flags is None else (flags == 0).tolist()
 
-    @staticmethod
-    def _use_fused(t: torch.Tensor) -> bool:
-        """The fused Triton kernels run on CUDA tensors; the PyTorch reference elsewhere
-        (as LowBitAdamW chooses)."""
-        return t.is_cuda
+    # The fused Triton kernels where LowBitAdamW runs its own (CUDA tensors), the PyTorch
+    # reference elsewhere.
+    _use_fused = staticmethod(LowBitAdamW._use_fused)
 
     def check_nonfinite(self) -> None:
         """The AdamW part's pending non-finite check (``LowBitAdamW.check_nonfinite``);
@@ -644,6 +628,25 @@ class LowBitMuon(torch.optim.Optimizer):
             self.state[p]["step"] = torch.tensor(step)
             self._master_pending.discard(p)  # a loaded master is kept
         self.skipped_steps = checked["skipped"]
+
+
+def _place_shards(exchange: OwnerExchange, work: list, matrices: list) -> None:
+    """Key each local shard's stochastic rounding by its elements' indices in the whole
+    matrix (the shard's rectangle in the exchange), so shards round as the matrix does."""
+    rects = exchange.rects[exchange.coord]
+    for j, ((_, p, _), (_, tensor, _)) in enumerate(zip(work, matrices)):
+        row0, col0 = rects[j][0], rects[j][1]
+        tensor.sr_base, tensor.sr_row_stride = row0 * p.shape[1] + col0, p.shape[1]
+
+
+def _orthogonaliser(matrices: list):
+    """The owner's work on whole matrix ``j`` of a bucket: Newton-Schulz with its group's
+    steps and coefficients."""
+    def orthogonalise(j: int, whole: torch.Tensor) -> torch.Tensor:
+        hyper = matrices[j][2]
+        return newton_schulz(whole, hyper.ns_steps, hyper.ns_coefficients)
+
+    return orthogonalise
 
 
 def _params_and_names(group: dict[str, Any]) -> tuple[list[torch.Tensor], Optional[list[str]]]:
