@@ -9,7 +9,7 @@
 # - without: NPROC (default 2) CPU processes on the gloo backend, running the real
 #   torchtitan Trainer through titan_lowbit's CPU device path.
 # Environment: NGPU, NPROC, LOG_RANK (ranks whose output is shown, default 0),
-# TITAN_LOWBIT_DEVICE=cpu (force the CPU path), MASTER_PORT.
+# TITAN_LOWBIT_DEVICE=cpu (force the CPU path). Each run takes a free port (torchrun --standalone).
 set -euo pipefail
 
 if [ $# -lt 1 ] || [ ! -f "$1" ]; then

@@ -392,10 +392,13 @@ def run_on_gloo(scenarios, world: int, out_path: Path, start: str = "auto"):
         raise ValueError(f"start={start!r}: use 'auto', 'fork' or 'spawn'")
     launcher = None
     if start != "spawn":
-        launcher = fork_launcher(cpu_run_env())
+        env = cpu_run_env()
+        launcher = fork_launcher(env)
         if launcher is None and start == "fork":
-            raise RuntimeError(f"run_on_gloo(start='fork'): no fork launcher "
-                               f"({LAUNCHER_VARIABLE}={os.environ.get(LAUNCHER_VARIABLE)!r})")
+            why = (f"the environment changed since the server started: {_launcher.differences(env)}"
+                   if _launcher is not None else
+                   f"{LAUNCHER_VARIABLE}={os.environ.get(LAUNCHER_VARIABLE)!r}")
+            raise RuntimeError(f"run_on_gloo(start='fork'): no fork launcher ({why})")
     for attempt in (1, 2):
         out_path.unlink(missing_ok=True)
         if launcher is not None:

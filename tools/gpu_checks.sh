@@ -11,7 +11,8 @@
 #           compile with bf16 weights (1 GPU); float8 linears with AdamW8bit, fp32
 #           weights and bf16 weights, FSDP2 (2 GPUs, torchao installed)
 #   bitnet  BitNet resumes bit for bit over NCCL: the debug model under TP 2 with
-#           AdamW8bit + bf16 master_remainder (2 GPUs); llama3 1B under FSDP2 over 4 GPUs
+#           AdamW8bit + bf16 master_remainder, blocks of 128 (TP splits its 256-wide rows
+#           in two) (2 GPUs); llama3 1B under FSDP2 over 4 GPUs
 #           with torch's AdamW and FSDP2 2 x TP 2 with AdamW8bit + master_remainder (4 GPUs;
 #           docs/bitnet.md)
 #
@@ -87,7 +88,7 @@ for c in "${checks[@]}"; do
         record float8 "skipped: torchao is not installed" 0
       fi ;;
     bitnet)
-      resume bitnet_tp2 2 train_configs/llama3_debug_bitnet.toml "${seeded[@]}" --compile.no-enable \
+      resume bitnet_tp2 2 train_configs/llama3_debug_bitnet.toml "${seeded[@]}" --compile.no-enable --lowbit.block_size 128 \
         --parallelism.tensor_parallel_degree 2 --parallelism.data_parallel_shard_degree 1 \
         --optimizer.name AdamW8bit --lowbit.weight_dtype bfloat16 --lowbit.weight_update master_remainder
       STEPS=10 resume bitnet_fsdp4 4 "${bitnet[@]}" --parallelism.data_parallel_shard_degree 4
