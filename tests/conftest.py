@@ -271,6 +271,38 @@ def stopped_run(*overrides: str, nproc: int = 2) -> str:
     return out
 
 
+# The optimizer's health line (docs/health_metrics.md) of a run whose every optimizer has
+# quantized second moments and a residual bf16 update (kahan, master, master_remainder).
+HEALTH_LINE = re.compile(r"titan_lowbit health: step\s+(\d+)\s+max update/lr ([0-9.e+-]+)\s+v at smallest code "
+                         r"([0-9.]+)%\s+skipped steps (\d+)\s+residual ([0-9.]+) ulp")
+
+
+def check_health_reported(stdout: str, tb_folder: Path, steps: int) -> None:
+    """A Trainer run with the health metrics on and log_freq 1, on either torchtitan line:
+    the health line of every step 1..``steps`` (quantized states, a residual bf16 update: no
+    rounding loss), and the same numbers in the TensorBoard event file under
+    optimizer_health/."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    lines = {int(m.group(1)): m.groups()[1:] for m in HEALTH_LINE.finditer(stdout)}
+    assert sorted(lines) == list(range(1, steps + 1)), stdout[-3000:]
+    for step, (max_update, v_small, skipped, residual) in lines.items():
+        assert 0.5 < float(max_update) < 10 and 0 <= float(v_small) < 100 and skipped == "0", lines[step]
+        assert 0 < float(residual) <= 0.5, lines[step]
+    events = sorted(tb_folder.rglob("events.out.tfevents.*"))
+    assert len(events) == 1, events  # rank 0 writes
+    acc = EventAccumulator(str(events[0]))
+    acc.Reload()
+    scalars = {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]
+               if tag.startswith("optimizer_health/")}
+    assert sorted(scalars) == [f"optimizer_health/{k}" for k in
+                               ("max_update_over_lr", "residual_over_ulp", "skipped_steps", "v_at_smallest_code")]
+    for step, (max_update, v_small, _, residual) in lines.items():
+        assert scalars["optimizer_health/max_update_over_lr"][step] == pytest.approx(float(max_update), rel=5e-3)
+        assert scalars["optimizer_health/v_at_smallest_code"][step] * 100 == pytest.approx(float(v_small), abs=1e-3)
+        assert scalars["optimizer_health/residual_over_ulp"][step] == pytest.approx(float(residual), abs=1e-3)
+
+
 def parse_job_config(*args, toml: str | None = None, tmp_path=None):
     """The JobConfig torchtitan 0.2's ConfigManager parses from command-line ``args``, after
     the job file ``toml`` (written under ``tmp_path``) when given."""

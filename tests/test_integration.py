@@ -164,7 +164,7 @@ def test_health_metrics_need_torchtitans_own_metrics_processor():
     spec with a metrics processor of its own is refused (its numbers would go nowhere),
     and kept as it is with health_metrics off."""
     from titan_lowbit.config import LowBit
-    from titan_lowbit.torchtitan.health_metrics import wrap_build_metrics_processor
+    from titan_lowbit.torchtitan.train_spec import wrap_build_metrics_processor
 
     def own_processor(job_config, parallel_dims, model_args=None, tag=None):
         return "own"

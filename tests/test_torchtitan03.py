@@ -4,20 +4,23 @@ Runs where torchtitan 0.3 is installed (CI's second environment, README "torchti
 with torchtitan 0.2 installed the 0.2 integration's tests run instead and this module is
 skipped. In-process: the optimizer container (titan_lowbit's names as param-group
 optimizer names, mixed with torch's AdamW), its refusals, torchtitan's zero-gradient
-initialisation step, the overrides and the BitNet converter. End to end, on 2 gloo
-processes through ``torchrun -m torchtitan.train``: the ready debug config with 8-bit
-states and bf16 master_remainder weights, 4-bit states with stochastic rounding through
+initialisation step, the overrides, the BitNet converter and the optimizer health
+metrics processor. End to end, on 2 gloo processes through ``torchrun -m
+torchtitan.train``: the ready debug config with 8-bit states and bf16 master_remainder
+weights (reporting the optimizer's health to the console and TensorBoard), 4-bit states with stochastic rounding through
 the override, BitNet; a run checkpointed at step 4 and resumed ends bit for bit where the
 straight run ends (every model and optimizer tensor of the last checkpoint), and a
 2-process checkpoint continues on 1 process.
 """
 
 import copy
+import dataclasses
 import json
 import math
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -29,8 +32,10 @@ if torchtitan_line() != (0, 3):
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
-from conftest import ROOT, cpu_run_env, run_once_more_after_teardown_abort, step_losses  # noqa: E402
-from torchtitan.components.optimizer import ParamGroupConfig, default_adamw  # noqa: E402
+from conftest import (ROOT, check_health_reported, cpu_run_env, run_once_more_after_teardown_abort,  # noqa: E402
+                      step_losses)
+from torchtitan.components.metrics import MetricsProcessor  # noqa: E402
+from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig, default_adamw  # noqa: E402
 from torchtitan.components.optimizer.utils import init_optim_state  # noqa: E402
 
 from titan_lowbit.optim import LowBitAdamW  # noqa: E402
@@ -454,6 +459,118 @@ def test_overrides_apply_to_a_trainer_config_as_torchtitan_applies_them():
         ("AdamW4bit", "kahan"), ("AdamW4bit", "kahan")]
 
 
+class RecordingLogger:
+    """Stands in for torchtitan's metric loggers (TensorBoard, W&B): what they were given."""
+
+    def __init__(self):
+        self.logged = []
+
+    def log(self, metrics, step):
+        self.logged.append((step, dict(metrics)))
+
+    def close(self):
+        pass
+
+
+def health_processor(monkeypatch, **config):
+    """The 0.3 metrics processor as the Trainer builds it (on the CPU device module where
+    there is no GPU), its loggers recorded."""
+    import torchtitan.components.metrics as metrics
+
+    from titan_lowbit.torchtitan.cpu_device import CpuDeviceModule
+
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(metrics, "device_type", "cpu")
+        monkeypatch.setattr(metrics, "device_module", CpuDeviceModule)
+    processor = v03.HealthMetricsProcessor.Config(disable_color_printing=True, **config).build(
+        parallel_dims=types.SimpleNamespace(non_data_parallel_size=1))
+    processor.logger = RecordingLogger()
+    processor.num_flops_per_token = 1
+    return processor
+
+
+def log_step(processor, step):
+    processor.ntokens_since_last_log = 64
+    processor.data_loading_times.append(0.0)
+    processor.log(step, 2.0, 2.5, 0.3, extra_metrics={"lr": 1e-2})
+    return processor.logger.logged[-1]
+
+
+def test_health_metrics_processor_logs_the_health_to_the_console_and_the_loggers(monkeypatch, caplog):
+    """--metrics.optimizer_health: at a logged step, the titan_lowbit optimizers' health
+    (of both: the 8-bit one and the torch AdamW group stepped by LowBitAdamW for its bf16
+    update) goes to torchtitan's loggers beside its own metrics and on a console line after
+    its step line; off (the ready configs' default), the processor is torchtitan's."""
+    from titan_lowbit.optim import optimizer_health
+
+    model = Tiny()
+    opt = container(model)
+    train(model, opt, 3)
+    want = optimizer_health(list(opt))
+    assert {type(o).__name__ for o in opt} == {"LowBitAdamW"} and want.residual_over_ulp is not None
+
+    processor = health_processor(monkeypatch, optimizer_health=True)
+    processor.optimizers = opt  # as the Trainer hands it over
+    with caplog.at_level("INFO"):
+        step, logged = log_step(processor, 7)
+    assert step == 7 and logged["lr"] == 1e-2 and logged["loss_metrics/global_avg_loss"] == 2.0
+    assert {k: v for k, v in logged.items() if k.startswith("optimizer_health/")} == want.metrics()
+    lines = [r.getMessage() for r in caplog.records]
+    console = [i for i, line in enumerate(lines) if line.startswith("step:  7")]
+    assert console and lines[console[0] + 1] == f"titan_lowbit health: step  7  {want.summary()}", lines
+
+    off = health_processor(monkeypatch)
+    off.optimizers = opt
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        _, logged = log_step(off, 8)
+    assert not [k for k in logged if k.startswith("optimizer_health/")]
+    assert not [r for r in caplog.records if "titan_lowbit health" in r.getMessage()]
+
+
+def test_health_metrics_are_refused_without_a_lowbit_optimizer(monkeypatch):
+    """torch's own AdamW keeps no state titan_lowbit reads: refused when the Trainer hands
+    the optimizers to the processor (start-up), not with the health metrics off."""
+    model = Tiny(torch.float32)
+    torch_only = OptimizersContainer.Config(param_groups=[
+        ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})]).build(
+        model_parts=[model])
+    processor = health_processor(monkeypatch, optimizer_health=True)
+    with pytest.raises(ValueError, match=r"metrics.optimizer_health: no optimizer of this run is titan_lowbit's "
+                                         r"\(only torch's AdamW\).*AdamW8bit"):
+        processor.optimizers = torch_only
+    health_processor(monkeypatch).optimizers = torch_only
+
+
+def test_optimizer_health_switch_on_the_command_line_and_through_the_override():
+    """--metrics.optimizer_health on titan_lowbit's ready configs; the optimizer_health
+    override on any config with torchtitan's own metrics processor (its settings kept),
+    refused on a processor of a config's own."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.config.override import OverrideConfig, apply_overrides
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    ready = ["--module", "titan_lowbit.torchtitan", "--config", "llama3_debug"]
+    assert ConfigManager().parse_args([*ready, "--metrics.optimizer_health"]).metrics.optimizer_health
+    assert not ConfigManager().parse_args(ready).metrics.optimizer_health
+
+    config = llama3_debugmodel()
+    config.metrics.log_freq = 3
+    apply_overrides(OverrideConfig(imports=["titan_lowbit.torchtitan.v03.optimizer_health"]), config)
+    assert type(config.metrics) is v03.HealthMetricsProcessor.Config
+    assert config.metrics.optimizer_health and config.metrics.log_freq == 3
+
+    class OwnProcessor(MetricsProcessor):
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(MetricsProcessor.Config):
+            pass
+
+    config = llama3_debugmodel()
+    config.metrics = OwnProcessor.Config()
+    with pytest.raises(ValueError, match=r"OwnProcessor.Config, one of its own"):
+        apply_overrides(OverrideConfig(imports=["titan_lowbit.torchtitan.v03.optimizer_health"]), config)
+
+
 # ------------------------------------------------------------------------------------------
 # end to end: torchrun -m torchtitan.train on gloo processes
 # ------------------------------------------------------------------------------------------
@@ -486,10 +603,15 @@ def flatten(tree, prefix=""):
 CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.no-last_save_model_only"]
 
 
+# The straight run also reports the optimizer's health (and the resumed runs, without it,
+# end bit for bit where it ends: the read changes nothing).
+HEALTH = ["--metrics.optimizer_health", "--metrics.enable_tensorboard"]
+
+
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory, prepared_data):
     dump = tmp_path_factory.mktemp("straight03")
-    log = train_run(dump, *CHECKPOINT)
+    log = train_run(dump, *CHECKPOINT, *HEALTH)
     return dump, log
 
 
@@ -500,6 +622,7 @@ def test_debug_config_trains_with_8bit_states_and_master_remainder(straight_run)
     assert "titan_lowbit 8bit states, weights bfloat16, bf16 update master_remainder" in log
     losses = step_losses(log)
     assert sorted(losses) == list(range(1, 9))
+    check_health_reported(log, dump / "tb", 8)
     assert float(losses[8]) < float(losses[1]) - 0.5, losses
     from titan_lowbit.torchtitan.cpu_device import CPU_PATH_NOISE
 

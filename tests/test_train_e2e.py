@@ -18,7 +18,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import DEBUG_CONFIG, ROOT, run_once_more_after_teardown_abort, run_train, step_losses
+from conftest import (DEBUG_CONFIG, ROOT, check_health_reported, run_once_more_after_teardown_abort, run_train,
+                      step_losses)
 
 from titan_lowbit.torchtitan import cpu_device
 from titan_lowbit.torchtitan.lr_schedule import SCHEDULE_FILE
@@ -50,34 +51,6 @@ VARIANTS = [
 FP32_STATES_LINE = re.compile(r"fp32 states for (\d+) params, [0-9.]+% of the elements, by \[lowbit\] fp32_states")
 STATE_BYTES = re.compile(r"optimizer state ([0-9.]+) B/param")
 PARAMS = re.compile(r"size: ([0-9,]+) total parameters")
-HEALTH_LINE = re.compile(r"titan_lowbit health: step\s+(\d+)\s+max update/lr ([0-9.e+-]+)\s+v at smallest code "
-                         r"([0-9.]+)%\s+skipped steps (\d+)\s+residual ([0-9.]+) ulp")
-
-
-def check_health_reported(stdout: str, tb_folder) -> None:
-    """Every logged step's health line (fp8 states, Kahan bf16 weights: no rounding loss)
-    and the same numbers in the TensorBoard event file under optimizer_health/."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    lines = {int(m.group(1)): m.groups()[1:] for m in HEALTH_LINE.finditer(stdout)}
-    assert sorted(lines) == list(range(1, STEPS + 1)), stdout[-3000:]
-    for step, (max_update, v_small, skipped, residual) in lines.items():
-        assert 0.5 < float(max_update) < 10 and 0 <= float(v_small) < 100 and skipped == "0", lines[step]
-        assert 0 < float(residual) <= 0.5, lines[step]
-    events = sorted(tb_folder.rglob("events.out.tfevents.*"))
-    assert len(events) == 1, events  # rank 0 writes
-    acc = EventAccumulator(str(events[0]))
-    acc.Reload()
-    scalars = {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]
-               if tag.startswith("optimizer_health/")}
-    assert sorted(scalars) == [f"optimizer_health/{k}" for k in
-                               ("max_update_over_lr", "residual_over_ulp", "skipped_steps", "v_at_smallest_code")]
-    for step, (max_update, v_small, _, residual) in lines.items():
-        assert scalars["optimizer_health/max_update_over_lr"][step] == pytest.approx(float(max_update), rel=5e-3)
-        assert scalars["optimizer_health/v_at_smallest_code"][step] * 100 == pytest.approx(float(v_small), abs=1e-3)
-        assert scalars["optimizer_health/residual_over_ulp"][step] == pytest.approx(float(residual), abs=1e-3)
-
-
 def optimizer_state_storage(checkpoint) -> tuple[int, int, int]:
     """(bytes on disk, tensor payload bytes, items) of the optimizer's state tensors in a
     DCP checkpoint (``optimizer.state.*``; the per-parameter hyperparameters under
@@ -121,7 +94,7 @@ def test_loss_falls_and_checkpoint_resumes_identically(optimizer, dtype, update,
     first, last = float(full[1]), [float(full[s]) for s in range(STEPS - 1, STEPS + 1)]
     assert sum(last) / len(last) < first - 0.5, f"loss did not fall: {full}"
     if HEALTH[0] in more:
-        check_health_reported(proc.stdout, dump / "tb")
+        check_health_reported(proc.stdout, dump / "tb", STEPS)
     else:  # off by default
         assert "titan_lowbit health" not in proc.stdout
 

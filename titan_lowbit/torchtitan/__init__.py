@@ -22,9 +22,9 @@ overrides) and :mod:`titan_lowbit.torchtitan.config_registry` (ready configs:
 
 Modules by line: ``v03`` and ``config_registry`` are the 0.3 line's; ``train_spec``,
 ``optimizer_builder``, ``converters``, ``datasets``, ``flavors`` and ``checkpoint`` are the
-0.2 line's; ``cpu_device`` and ``lowbit_optimizers`` serve both. Nothing else in the
-package imports torchtitan: ``titan_lowbit.optim`` and ``titan_lowbit.bitnet`` serve any
-PyTorch loop without this package.
+0.2 line's; ``cpu_device``, ``lowbit_optimizers`` and ``health_metrics`` serve both.
+Nothing else in the package imports torchtitan: ``titan_lowbit.optim`` and
+``titan_lowbit.bitnet`` serve any PyTorch loop without this package.
 """
 
 from titan_lowbit.compat import TORCHTITAN_LINES, installed, torchtitan_line

@@ -26,7 +26,6 @@ from __future__ import annotations
 from functools import partial
 
 import torch.nn as nn
-from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import ParamGroupConfig
 from torchtitan.config.override import derive
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
@@ -45,6 +44,7 @@ from titan_lowbit.torchtitan import datasets, flavors
 from titan_lowbit.torchtitan.v03 import (
     BitNetConverter,
     BitNetSubLNConverter,
+    HealthMetricsProcessor,
     LowBitOptimizersContainer,
     LowBitTrainer,
 )
@@ -88,7 +88,7 @@ def llama3_debug() -> LowBitTrainer.Config:
     config.training.local_batch_size = 4
     config.training.seq_len = 256
     config.training.steps = 20
-    config.metrics = MetricsProcessor.Config(log_freq=1)
+    config.metrics = HealthMetricsProcessor.Config(log_freq=1)
     config.debug.seed = 0
     config.validator.enable = False
     config.checkpoint.interval = 10
@@ -163,7 +163,7 @@ def llama3_1b() -> LowBitTrainer.Config:
     config.training.local_batch_size = 4
     config.training.seq_len = 2048
     config.training.steps = 2000
-    config.metrics = MetricsProcessor.Config(log_freq=10)
+    config.metrics = HealthMetricsProcessor.Config(log_freq=10)
     config.compile.enable = True
     config.compile.components = ["model", "loss"]
     config.validator.enable = True

@@ -16,8 +16,9 @@ one that returns the same spec with five builders wrapped:
   ``[model] hf_assets_path`` that corpus' tokenizer (:mod:`titan_lowbit.torchtitan.datasets`);
 - ``build_lr_schedulers_fn`` remembers the schedule's settings, which each checkpoint
   keeps, so a resume that changes them says so (:mod:`titan_lowbit.torchtitan.lr_schedule`);
-- ``build_metrics_processor_fn`` adds the optimizer's health to the logged metrics when
-  ``[lowbit] health_metrics`` asks for it (:mod:`titan_lowbit.torchtitan.health_metrics`).
+- ``build_metrics_processor_fn`` builds a :class:`HealthMetricsProcessor`, which adds the
+  optimizer's health to the logged metrics, when ``[lowbit] health_metrics`` asks for it
+  (:func:`wrap_build_metrics_processor`, :mod:`titan_lowbit.torchtitan.health_metrics`).
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ import weakref
 import torch
 import torch.nn as nn
 import torchtitan.protocols.train_spec as train_spec_module
+from torchtitan.components.metrics import MetricsProcessor, build_metrics_processor
 from torchtitan.tools.logging import logger
 
 from titan_lowbit.torchtitan import cpu_device, datasets
 from titan_lowbit.bitnet import enable_tensor_parallel
 from titan_lowbit.config import check_bitnet_keys, lowbit_of
 from titan_lowbit.kernels.private_apis import patch
-from titan_lowbit.torchtitan.health_metrics import wrap_build_metrics_processor
+from titan_lowbit.torchtitan.health_metrics import OptimizerHealthLogging
 from titan_lowbit.torchtitan.lr_schedule import wrap_build_lr_schedulers
 from titan_lowbit.torchtitan.optimizer_builder import wrap_build_optimizers
 
@@ -118,6 +120,31 @@ def wrap_parallelize(parallelize_fn):
         return model
 
     return parallelize
+
+
+class HealthMetricsProcessor(OptimizerHealthLogging, MetricsProcessor):
+    """torchtitan 0.2's MetricsProcessor that also logs the titan_lowbit optimizers' health
+    (built only with ``[lowbit] health_metrics = true``)."""
+
+
+def wrap_build_metrics_processor(base_builder):
+    """A train spec's ``build_metrics_processor_fn`` (``None``: torchtitan's own) that
+    builds a HealthMetricsProcessor when ``[lowbit] health_metrics`` is on, and the spec's
+    own processor otherwise."""
+
+    @functools.wraps(base_builder or build_metrics_processor)
+    def build(job_config, parallel_dims, model_args=None, tag: str | None = None):
+        if not lowbit_of(job_config).health_metrics:
+            return (base_builder or build_metrics_processor)(job_config, parallel_dims, model_args, tag)
+        if base_builder is not None and base_builder is not build_metrics_processor:
+            raise NotImplementedError(
+                f"[lowbit] health_metrics = true: this model's train spec builds its own metrics processor "
+                f"({getattr(base_builder, '__qualname__', base_builder)}), which titan_lowbit cannot add its "
+                "numbers to. Turn health_metrics off for this model.")
+        return HealthMetricsProcessor(job_config, parallel_dims, tag)
+
+    build.titan_lowbit_wrapped = True
+    return build
 
 
 def wrap(spec: train_spec_module.TrainSpec) -> train_spec_module.TrainSpec:

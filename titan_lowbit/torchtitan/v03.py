@@ -24,10 +24,15 @@ plugs in at those points, without touching torchtitan's module state:
   precomputes the sharded BitNet weights' scales after each optimizer step with one
   all-reduce, checks a checkpoint's optimizer layout before loading it
   (:class:`CheckedCheckpointManager`), and logs one line saying what titan_lowbit changed.
+- :class:`HealthMetricsProcessor` is torchtitan's ``MetricsProcessor`` whose
+  ``optimizer_health`` switch (``--metrics.optimizer_health`` in the ready configs) adds
+  the titan_lowbit optimizers' health to every logged step, on the console and in
+  torchtitan's loggers.
 - ``@override`` factories for configs titan_lowbit did not write:
   :func:`lowbit_adamw` (every ``Adam``/``AdamW`` group becomes a titan_lowbit optimizer),
-  :func:`lowbit_muon` (the low-bit AdamW groups become a Muon name) and :func:`bitnet`
-  (the transformer layers' linears become BitNet linears).
+  :func:`lowbit_muon` (the low-bit AdamW groups become a Muon name), :func:`bitnet`
+  (the transformer layers' linears become BitNet linears) and :func:`optimizer_health`
+  (torchtitan's metrics processor becomes :class:`HealthMetricsProcessor`, switched on).
 
 The ready configs are in :mod:`titan_lowbit.torchtitan.config_registry`.
 """
@@ -48,6 +53,7 @@ from torch.nn.attention.flex_attention import create_mask
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torchtitan.components.checkpointer import AsyncMode, CheckpointManager
+from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.override import derive, override
 from torchtitan.models.common import RMSNorm
@@ -64,6 +70,7 @@ from titan_lowbit.bitnet.linear import BitNetLinear as _BitNetForward
 from titan_lowbit.bitnet.weight import local_training_weight, precompute_scales
 from titan_lowbit.kernels.private_apis import private_api_ok
 from titan_lowbit.torchtitan import cpu_device, datasets
+from titan_lowbit.torchtitan.health_metrics import OptimizerHealthLogging, lowbit_optimizers
 from titan_lowbit.torchtitan.lowbit_optimizers import (
     FP32_ADAMW_STATE_BYTES,
     TORCH_OPTIMIZERS,
@@ -642,6 +649,61 @@ class CheckedCheckpointManager(CheckpointManager):
         if not to_hf and async_mode == AsyncMode.DISABLED:
             write_schedule(self.states.get("lr_scheduler"), checkpoint_id)
         return result
+
+
+# ----------------------------------------------------------------------------------------
+# optimizer health metrics
+# ----------------------------------------------------------------------------------------
+class HealthMetricsProcessor(OptimizerHealthLogging, MetricsProcessor):
+    """torchtitan 0.3's MetricsProcessor that, with ``optimizer_health`` on, also logs the
+    titan_lowbit optimizers' health at every logged step, to the console and torchtitan's
+    loggers (:mod:`titan_lowbit.torchtitan.health_metrics`); off, it is torchtitan's."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MetricsProcessor.Config):
+        optimizer_health: bool = False
+        """At every step logged (``log_freq``), the titan_lowbit optimizers' health: largest
+        update over lr, quantized second moments at their smallest code, skipped steps, bf16
+        updates lost to rounding or the Kahan/master residual in ulps; a second console
+        line and ``optimizer_health/*`` in TensorBoard / W&B (docs/health_metrics.md). One
+        more read of the optimizer states on logged steps, nothing on the others."""
+
+    def reports_health(self) -> bool:
+        return self.config.optimizer_health
+
+    # torchtitan's Trainer hands the processor its optimizer container by setting this
+    # attribute once, after building the optimizers: the start-up moment to refuse a run
+    # whose optimizers titan_lowbit cannot read.
+    @property
+    def optimizers(self) -> OptimizersContainer | None:
+        return self._optimizers
+
+    @optimizers.setter
+    def optimizers(self, container: OptimizersContainer | None) -> None:
+        if container is not None and self.config.optimizer_health and not lowbit_optimizers(container):
+            torch_names = sorted({type(opt).__name__ for opt in container})
+            raise ValueError(
+                f"metrics.optimizer_health: no optimizer of this run is titan_lowbit's (only torch's "
+                f"{', '.join(torch_names)}), and the health numbers are read from titan_lowbit's states. "
+                f"Name a titan_lowbit optimizer in the param groups ({', '.join(lowbit_names())}; or the "
+                "lowbit_adamw override), give torch's Adam/AdamW a bf16 weight_update (stepped by "
+                "titan_lowbit with fp32 states), or turn optimizer_health off.")
+        self._optimizers = container
+
+
+@override(target=MetricsProcessor.Config,
+          description="titan_lowbit: the optimizer's health at every logged step")
+def optimizer_health(cfg: MetricsProcessor.Config) -> HealthMetricsProcessor.Config:
+    """``--override.imports titan_lowbit.torchtitan.v03.optimizer_health``: the config's
+    metrics processor, torchtitan's own, becomes :class:`HealthMetricsProcessor` with
+    ``optimizer_health`` on (its other settings kept); in configs titan_lowbit did not
+    write, where ``--metrics.optimizer_health`` does not exist."""
+    if not isinstance(cfg, HealthMetricsProcessor.Config) and type(cfg) is not MetricsProcessor.Config:
+        raise ValueError(
+            f"optimizer_health: this config's metrics processor is {type(cfg).__qualname__}, one of its "
+            "own, which titan_lowbit cannot add its numbers to. Remove the override for this config, or "
+            "call titan_lowbit.optim.optimizer_health from that processor's log.")
+    return derive(cfg, HealthMetricsProcessor.Config, optimizer_health=True)
 
 
 # ----------------------------------------------------------------------------------------
