@@ -149,8 +149,15 @@ def fork_launcher(env: dict[str, str]) -> Launcher | None:
                          "'torchrun'")
     if choice == "torchrun":
         return None
+    base = cpu_run_env()
+    if _launcher is not None and not _launcher.can_run(base):
+        # The session's own environment changed since the server started (a library of
+        # this process set a variable: on a GPU host torch's and Triton's compilers do):
+        # a server started now runs the ranks with it.
+        _launcher.close()
+        _launcher = None
     if _launcher is None:
-        _launcher = Launcher(cpu_run_env(), ROOT)
+        _launcher = Launcher(base, ROOT)
         atexit.register(_launcher.close)
     return _launcher if _launcher.can_run(env) else None
 
@@ -424,13 +431,10 @@ def run_on_gloo(scenarios, world: int, out_path: Path, start: str = "auto"):
         raise ValueError(f"start={start!r}: use 'auto', 'fork' or 'spawn'")
     launcher = None
     if start != "spawn":
-        env = cpu_run_env()
-        launcher = fork_launcher(env)
+        launcher = fork_launcher(cpu_run_env())
         if launcher is None and start == "fork":
-            why = (f"the environment changed since the server started: {_launcher.differences(env)}"
-                   if _launcher is not None else
-                   f"{LAUNCHER_VARIABLE}={os.environ.get(LAUNCHER_VARIABLE)!r}")
-            raise RuntimeError(f"run_on_gloo(start='fork'): no fork launcher ({why})")
+            raise RuntimeError(f"run_on_gloo(start='fork'): no fork launcher "
+                               f"({LAUNCHER_VARIABLE}={os.environ.get(LAUNCHER_VARIABLE)!r})")
     for attempt in (1, 2):
         out_path.unlink(missing_ok=True)
         if launcher is not None:

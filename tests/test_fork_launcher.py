@@ -2,7 +2,8 @@
 torchrun's workers see (compared with a real torchrun run of the same script), a failing
 rank stops the others and is named in a torchrun-style report that conftest's abort
 handling reads as it reads torchrun's, a run past its time is killed and the server goes
-on, and an environment the server was not started with is refused."""
+on, and an environment the server was not started with is refused, and a variable the session
+itself sets after the server started reaches the ranks of a new server."""
 
 import json
 import os
@@ -11,7 +12,16 @@ import sys
 
 import pytest
 
-from conftest import RANK_ONE_ABORTS, ROOT, TRAINING_FINISHED, aborted_at_teardown, cpu_run_env, fork_launcher
+from conftest import (
+    LAUNCHER_VARIABLE,
+    RANK_ONE_ABORTS,
+    ROOT,
+    TRAINING_FINISHED,
+    aborted_at_teardown,
+    cpu_run_env,
+    fork_launcher,
+    run_on_gloo,
+)
 from fork_launcher import Launcher
 
 SHOW = """
@@ -118,3 +128,18 @@ def test_an_environment_read_at_import_is_refused(launcher):
     assert not launcher.can_run(cpu_run_env(TITAN_LOWBIT_DEVICE="cuda"))
     with pytest.raises(ValueError, match="TITAN_LOWBIT_DEVICE"):
         launcher.launch(["unused.py"], 1, cpu_run_env(TITAN_LOWBIT_DEVICE="cuda"), ROOT, 10)
+
+
+def _set_later(rank: int):
+    return os.environ.get("TITAN_LOWBIT_TEST_SET_LATER")
+
+
+def test_the_server_follows_a_variable_the_session_sets_after_it_started(monkeypatch, tmp_path):
+    """A library of the test process can set a variable after the fork server started
+    (on a GPU host torch's and Triton's compilers do); gloo runs still fork, from a
+    server started with the session's environment as it is now."""
+    if os.environ.get(LAUNCHER_VARIABLE) == "torchrun":
+        pytest.skip(f"{LAUNCHER_VARIABLE}=torchrun: this session has no fork launcher")
+    assert fork_launcher(cpu_run_env()) is not None
+    monkeypatch.setenv("TITAN_LOWBIT_TEST_SET_LATER", "yes")
+    assert run_on_gloo(_set_later, 2, tmp_path / "res.pt", start="fork") == "yes"
