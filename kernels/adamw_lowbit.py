@@ -225,7 +225,7 @@ def _step_tile(tiles_ptr, t, meta_ptr, grad_offsets_ptr, tab_m, tab_v, etab_m, e
     g = _ld(g_base + g_off + eoff, emask, EVEN).to(tl.float32)
     pptr = p_base + _meta_offset(meta, _K_META_PARAM, ALIGNED) + eoff
     xptr = x_base + _meta_offset(meta, _K_META_EXTRA, ALIGNED) + eoff
-    p = _load_weight(pptr, xptr, emask, UPDATE, EVEN)
+    p = _load_weight(pptr, xptr, emask, UPDATE, EVEN, HW_CAST)
     m_base = m_base + _meta_offset(meta, _K_META_M, ALIGNED)
     v_base = v_base + _meta_offset(meta, _K_META_V, ALIGNED)
     m_raw, m_abs = _load_raw(m_base, ms_base + tl.load(meta + _K_META_MSCALE), eoff, coff, bidx, bmask, emask, cmask,

@@ -135,7 +135,7 @@ def _muon_weight_kernel(o_ptr, p_ptr, x_ptr, flag_ptr, sm_ptr, sms_ptr, m_ptr, m
                                                         EVEN, ALIGNED)
     pptr = p_ptr + eoff
     xptr = x_ptr + eoff
-    p = _load_weight(pptr, xptr, emask, UPDATE, EVEN)
+    p = _load_weight(pptr, xptr, emask, UPDATE, EVEN, HW_CAST)
     o = _ld(o_ptr + eoff, emask, EVEN).to(tl.float32)
     p_new = p * decay - step_size * o
     if not WRITE:

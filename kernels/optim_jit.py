@@ -98,6 +98,15 @@ def _bf16_rne(x, HW_CAST: tl.constexpr):
 
 
 @triton.jit
+def _widen(x, HW_CAST: tl.constexpr):
+    """x as fp32: the cast on a GPU; a bf16 x from its bits under the interpreter, whose
+    bf16 -> fp32 conversion gets subnormals wrong (Triton 3.9: 1e-39 widens to 4.4e-39)."""
+    if x.dtype == tl.bfloat16 and not HW_CAST:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _div(a, b, HW_CAST: tl.constexpr):
     """a / b: the fast hardware reciprocal-multiply on a GPU (b is a positive normal number
     here: eps-bounded denominators and block absmax values); exact under the interpreter."""
@@ -498,24 +507,30 @@ def _load_raw(base, sptr, eoff, coff, bidx, bmask, emask, cmask, CODEC: tl.const
 
 
 @triton.jit
+def _unpacked_codes(raw, CODEC: tl.constexpr):
+    """The codes [NB, QBLOCK] of a quantized moment loaded by _load_raw: the packed 4-bit
+    codecs hold two per byte (element 2i in the low nibble), the others one."""
+    if CODEC == _K_CODEC_DYN4_SIGNED or CODEC == _K_CODEC_LIN4_NOZERO:
+        packed = raw.to(tl.int32)
+        return tl.interleave(packed & 15, packed >> 4)
+    else:
+        return raw
+
+
+@triton.jit
 def _dequantize(raw, absmax, tab, CODEC: tl.constexpr, HW_CAST: tl.constexpr, SMEM: tl.constexpr):
     """fp32 values [NB, QBLOCK] of a moment loaded by _load_raw."""
     if CODEC == _K_CODEC_NONE:
-        return raw.to(tl.float32)
+        return _widen(raw, HW_CAST)
     else:
-        if CODEC == _K_CODEC_DYN4_SIGNED or CODEC == _K_CODEC_LIN4_NOZERO:
-            packed = raw.to(tl.int32)
-            codes = tl.interleave(packed & 15, packed >> 4)
-        else:
-            codes = raw
-        return _decode(codes, absmax, tab, CODEC, HW_CAST, SMEM)
+        return _decode(_unpacked_codes(raw, CODEC), absmax, tab, CODEC, HW_CAST, SMEM)
 
 
 # ----------------------------------------------------------------------------------------
 # The weight: read in fp32, and the new fp32 weight landed (twins: weight_fp32, land_weight)
 # ----------------------------------------------------------------------------------------
 @triton.jit
-def _load_weight(pptr, xptr, emask, UPDATE: tl.constexpr, EVEN: tl.constexpr):
+def _load_weight(pptr, xptr, emask, UPDATE: tl.constexpr, EVEN: tl.constexpr, HW_CAST: tl.constexpr):
     """The fp32 weight a step starts from: an fp32 parameter itself; of a bf16 one, the fp32
     master (MASTER: the extra state; MASTER_REMAINDER: rebuilt from weight and remainder),
     else the bf16 weight widened (with fp32 master weights the bf16 copy is only written)."""
@@ -525,7 +540,7 @@ def _load_weight(pptr, xptr, emask, UPDATE: tl.constexpr, EVEN: tl.constexpr):
     elif PARAM_BF16 and UPDATE == _K_UPDATE_MASTER_REMAINDER:
         p = _master_rebuild(_ld(pptr, emask, EVEN), _ld(xptr, emask, EVEN))
     else:
-        p = _ld(pptr, emask, EVEN).to(tl.float32)
+        p = _widen(_ld(pptr, emask, EVEN), HW_CAST)
     return p
 
 

@@ -11,13 +11,15 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import run_on_gloo, sharded_small_model, small_bf16_model, train_mean_square
+from conftest import INTERPRET, run_on_gloo, sharded_small_model, small_bf16_model, train_mean_square
 
+from titan_lowbit.kernels import health_ref
 from titan_lowbit.kernels import quant_maps as Q
 from titan_lowbit.optim import LowBitAdamW, LowBitMuon, optimizer_health
 from titan_lowbit.optim import health as H
 from titan_lowbit.optim.formats import param_format
 
+DEV = "cpu" if INTERPRET else "cuda"  # where the fused health kernel runs (interpreted on the CPU)
 FORMATS = ["8bit", "4bit", "fp8", "fp32", "bf16"]
 UPDATES = ["nearest", "stochastic", "kahan", "master", "master_remainder"]
 LR, WD, BETAS, EPS = 3e-3, 0.1, (0.9, 0.99), 1e-8
@@ -30,13 +32,13 @@ def _model(dtype, seed):
     return nn.Sequential(nn.Linear(300, 70), nn.Linear(70, 131, bias=False), nn.Linear(131, 9)).to(dtype)
 
 
-def _trained(fmt, update, dtype=torch.bfloat16, steps=3, **kw):
+def _trained(fmt, update, dtype=torch.bfloat16, steps=3, device="cpu", **kw):
     seed = int(torch.randint(0, 2**31 - 1, ()).item())  # fresh inputs, reproducible from the failure
-    model = _model(dtype, seed)
+    model = _model(dtype, seed).to(device)
     opt = LowBitAdamW(list(model.named_parameters()), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                       state_format=fmt, weight_update=update, min_quantized_numel=1000, seed=seed, **kw)
     gen = torch.Generator().manual_seed(seed)
-    train_mean_square(model, opt, [torch.randn(8, 300, generator=gen).to(dtype) for _ in range(steps)])
+    train_mean_square(model, opt, [torch.randn(8, 300, generator=gen).to(dtype).to(device) for _ in range(steps)])
     return model, opt, seed
 
 
@@ -130,6 +132,64 @@ def test_each_metric_equals_the_hand_computation(fmt, update):
         assert 0 < got.residual_over_ulp <= 0.5 + 1e-6, where
 
 
+def _same_health(got, want, where):
+    """Equal numbers: the maximum and the counts exactly (same elements, same fp32
+    operations), the residual up to the order of its float64 additions."""
+    assert got.max_update_over_lr == want.max_update_over_lr, where
+    assert got.v_at_smallest_code == want.v_at_smallest_code, where
+    assert got.updates_lost_to_rounding == want.updates_lost_to_rounding, where
+    assert got.skipped_steps == want.skipped_steps, where
+    assert (got.residual_over_ulp is None) == (want.residual_over_ulp is None), where
+    if want.residual_over_ulp is not None:
+        assert got.residual_over_ulp == pytest.approx(want.residual_over_ulp, rel=1e-12), where
+
+
+def _count_launches(monkeypatch):
+    """The fused health kernel's launches of this test, by kind."""
+    launches = {"adamw_health": 0, "residual_health": 0}
+    for name in launches:
+        def counted(*a, _f=getattr(H, name), _n=name, **k):
+            launches[_n] += 1
+            return _f(*a, **k)
+        monkeypatch.setattr(H, name, counted)
+    return launches
+
+
+@pytest.mark.parametrize("fmt,update", [("8bit", "nearest"), ("4bit", "kahan")])
+def test_fused_read_equals_the_reference_read(fmt, update, monkeypatch):
+    """The optimizer's health read through the fused kernel (one launch per parameter,
+    partial rows reduced on the device) gives the reference path's numbers (every format
+    and weight update: tests/test_health_kernels.py)."""
+    _, opt, seed = _trained(fmt, update, device=DEV)
+    launches = _count_launches(monkeypatch)
+    monkeypatch.setattr(opt, "_use_fused", lambda t: False)
+    want = optimizer_health([opt])
+    assert launches["adamw_health"] == 0
+    monkeypatch.setattr(opt, "_use_fused", lambda t: True)
+    got = optimizer_health([opt])
+    assert launches["adamw_health"] == len(list(opt.param_groups[0]["params"]))
+    _same_health(got, want, f"{fmt}/{update}, seed {seed}")
+
+
+def test_fused_read_of_muon_equals_the_reference_read(monkeypatch):
+    """LowBitMuon: its matrices through the residual-only launch, its inner AdamW through
+    the full one."""
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    model = nn.Sequential(nn.Linear(300, 70), nn.Linear(70, 131, bias=False)).to(torch.bfloat16).to(DEV)
+    opt = LowBitMuon(list(model.named_parameters()), lr=LR, state_format="8bit", weight_update="master",
+                     min_quantized_numel=10)
+    train_mean_square(model, opt, [torch.randn(8, 300).bfloat16().to(DEV) for _ in range(3)])
+    launches = _count_launches(monkeypatch)
+    for o in (opt, opt.adamw):
+        monkeypatch.setattr(o, "_use_fused", lambda t: False)
+    want = optimizer_health([opt])
+    for o in (opt, opt.adamw):
+        monkeypatch.setattr(o, "_use_fused", lambda t: True)
+    got = optimizer_health([opt])
+    assert launches == {"adamw_health": 1, "residual_health": 2}  # the bias; the two matrices
+    _same_health(got, want, "muon")
+
+
 def test_fp32_weights_report_no_bf16_numbers():
     _, opt, _ = _trained("8bit", "nearest", dtype=torch.float32)
     h = optimizer_health([opt])
@@ -173,7 +233,7 @@ def test_chunks_give_the_same_numbers(fmt, update, monkeypatch):
     and maximizes to the same numbers as one read per tensor."""
     _, opt, _ = _trained(fmt, update)
     whole = optimizer_health([opt])
-    monkeypatch.setattr(H, "CHUNK_NUMEL", 1000)  # 3 rows of 300, 7 of 131, flat ranges of 1000
+    monkeypatch.setattr(health_ref, "CHUNK_NUMEL", 1000)  # 3 rows of 300, 7 of 131, flat ranges of 1000
     chunked = optimizer_health([opt])
     assert chunked.max_update_over_lr == whole.max_update_over_lr
     for k in ("v_at_smallest_code", "updates_lost_to_rounding", "residual_over_ulp"):

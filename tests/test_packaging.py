@@ -26,7 +26,7 @@ CI = ROOT / ".ci" / "run"
 TEST_COMMAND = " && python -m pytest"  # the whole suite, torchtitan 0.2 line
 TEST_COMMAND_03 = " && python -m pytest tests/test_torchtitan03.py"  # the torchtitan 0.3 line
 # the kernels with the oldest Triton the package declares
-TEST_COMMAND_OLDEST_TRITON = " && python -m pytest tests/test_optim_kernels.py tests/test_bitnet_kernels.py"
+TEST_COMMAND_OLDEST_TRITON = " && python -m pytest tests/test_optim_kernels.py tests/test_bitnet_kernels.py tests/test_health_kernels.py"
 
 
 def code_blocks(language: str) -> list[str]:

@@ -4,8 +4,11 @@
 ``LowBitMuon`` optimizers right after a step and returns an ``OptimizerHealth``. Nothing
 is computed during the step: the kernels stay as they are, and a training loop that asks
 only on the steps it logs (torchtitan's ``[metrics] log_freq``) pays nothing on the
-others. On the steps it asks, it reads every state once more in PyTorch ops (in chunks
-of ``CHUNK_NUMEL`` elements, so the extra memory stays small).
+others. On the steps it asks, it reads every state once more: on a GPU in one fused
+Triton kernel per parameter (``kernels/health_lowbit.py``), which writes a few partial
+numbers per program, reduced on the device; elsewhere in its PyTorch reference
+(``kernels/health_ref.py``), in chunks so that the extra memory stays small. Either way
+one host sync at the end.
 
 The numbers (``None`` where no parameter has what a number measures):
 
@@ -46,50 +49,37 @@ gets the same numbers: with several ranks, every rank must call ``optimizer_heal
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from titan_lowbit.kernels.adamw_interface import (
-    UPDATE_KAHAN,
-    UPDATE_MASTER,
-    UPDATE_MASTER_REMAINDER,
-    UPDATE_NEAREST,
-    WEIGHT_UPDATES,
-    AdamWConfig,
-    AdamWHyper,
-    AdamWTensor,
-    hyper_scalars,
+from titan_lowbit.kernels.adamw_interface import WEIGHT_UPDATES, AdamWHyper
+from titan_lowbit.kernels.health_lowbit import adamw_health, adamw_health_rows, residual_health, residual_health_rows
+from titan_lowbit.kernels import health_ref as cols  # the partial rows' columns
+from titan_lowbit.kernels.health_ref import (
+    HealthHyper,
+    adamw_health_reference,
+    measures_lost,
+    measures_residual,
+    reduce_health,
+    residual_health_reference,
 )
-from titan_lowbit.kernels.adamw_lowbit_ref import (
-    PACKED_4BIT,
-    _load_moment,  # the reference step's own read of a moment: the same dequantization
-    bf16_rne,
-    div_rn,
-    sqrt_rn,
-    weight_fp32,
-)
-from titan_lowbit.kernels.quant_maps import CODEC_NONE, code_book
+from titan_lowbit.kernels.quant_maps import CODEC_NONE
 
 from .hyperparams import hyper_value
 from .step_plan import kernel_config, kernel_tensor
 from .tensors import local
 
-# Elements read per chunk: bounds the temporaries of a health read (a few fp32 and int64
-# copies of one chunk) however large a parameter is.
-CHUNK_NUMEL = 1 << 22
-# Weight updates whose fp32 weight is more than the bf16 one: their residual is measured.
-RESIDUAL_UPDATES = (UPDATE_KAHAN, UPDATE_MASTER, UPDATE_MASTER_REMAINDER)
 # The metrics' names in a logger (TensorBoard tags, W&B keys): this prefix and the field.
 METRIC_PREFIX = "optimizer_health/"
 
-# Partial sums (all-reduced with SUM) and maxima (with MAX): positions in their vectors.
-_V_SMALLEST, _V_ENTRIES, _LOST, _NEAREST_ENTRIES, _RESIDUAL, _RESIDUAL_ENTRIES, _UPDATE_ENTRIES = range(7)
-_MAX_UPDATE, _SKIPPED = range(2)
-_N_SUMS, _N_MAXES = 7, 2
+# The denominators, counted on the host: elements read, v entries, bf16 weights with
+# "nearest", bf16 weights with a residual.
+_UPDATE_ENTRIES, _V_ENTRIES, _NEAREST_ENTRIES, _RESIDUAL_ENTRIES = range(4)
+# The columns of the partial rows that are summed over ranks (MAX_UPDATE: maximized).
+_SUMMED = (cols.V_SMALLEST, cols.LOST, cols.RESIDUAL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,22 +105,6 @@ class OptimizerHealth:
         return "  ".join(fmt.format(getattr(self, k)) for k, fmt in shown.items() if getattr(self, k) is not None)
 
 
-@functools.lru_cache(maxsize=None)
-def smallest_codes(codec: int) -> tuple[int, ...]:
-    """The codes of ``codec`` whose value has the smallest positive magnitude of its code
-    book (``quant_maps.code_book``)."""
-    book = code_book(codec).abs()
-    floor = book[book > 0].min()
-    return tuple(int(i) for i in torch.nonzero(book == floor).flatten())
-
-
-def bf16_ulp(w: torch.Tensor) -> torch.Tensor:
-    """The spacing of bf16 values at each element of ``w`` (fp32): ``2**(e - 7)`` for a
-    normal value of exponent ``e``, bf16's subnormal spacing ``2**-133`` below."""
-    exponent = (w.to(torch.float32).contiguous().view(torch.int32) & 0x7F800000).view(torch.float32)
-    return torch.clamp(exponent * 2.0**-7, min=2.0**-133)
-
-
 def counted_here(p: torch.Tensor) -> bool:
     """Whether this rank counts its local shard of ``p``: a shard replicated over a mesh
     dimension is counted on that dimension's rank 0 only (its copies hold the same values)."""
@@ -140,108 +114,48 @@ def counted_here(p: torch.Tensor) -> bool:
                if isinstance(pl, Replicate))
 
 
+@dataclasses.dataclass
+class _Read:
+    """One parameter's read: how many partial rows the kernel writes, the kernel launch
+    into a slice of that size, and the reference (one row); ``fused``: the kernel runs
+    (the optimizer's own rule: CUDA tensors)."""
+
+    rows: int
+    kernel: Callable[[torch.Tensor], Any]
+    reference: Callable[[], torch.Tensor]
+    fused: bool
+
+
 class _Partial:
-    """A rank's partial sums and maxima: host numbers where the host knows them (element
-    counts), device scalars otherwise, gathered into one vector of each at the end (few
-    device ops per chunk, one host sync for all)."""
+    """A rank's reads and the numbers its host knows (element counts, skipped steps): the
+    fused reads write their partial rows into one buffer, the reference reads give a row
+    each; all of them fold into one row on the device (``reduce_health``), so the whole
+    health read costs one host sync."""
 
     def __init__(self) -> None:
-        self.sums: list[list] = [[] for _ in range(_N_SUMS)]
-        self.maxes: list[list] = [[] for _ in range(_N_MAXES)]
+        self.entries = [0] * 4
+        self.skipped = 0
+        self.reads: list[_Read] = []
 
-    def add(self, index: int, value: "torch.Tensor | float") -> None:
-        self.sums[index].append(value)
-
-    def max(self, index: int, value: "torch.Tensor | float") -> None:
-        self.maxes[index].append(value)
-
-    def vectors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sums, maxima) as float64 vectors on ``device`` (0 where nothing was added)."""
-        def total(values: list, reduce, host_reduce) -> torch.Tensor:
-            parts = [v.to(device=device, dtype=torch.float64).reshape(()) for v in values
-                     if isinstance(v, torch.Tensor)]
-            host = [float(v) for v in values if not isinstance(v, torch.Tensor)]
-            if host:
-                parts.append(torch.tensor(host_reduce(host), dtype=torch.float64, device=device))
-            return reduce(torch.stack(parts)) if parts else torch.zeros((), dtype=torch.float64, device=device)
-
-        return (torch.stack([total(v, torch.sum, sum) for v in self.sums]),
-                torch.stack([total(v, torch.max, max) for v in self.maxes]))
-
-
-def _row_chunks(t: AdamWTensor, quantized: bool) -> Iterator[AdamWTensor]:
-    """``t`` in pieces of at most CHUNK_NUMEL elements (at least one row): whole rows of
-    the block layout (quantized), or flat ranges (plain states, read element by element)."""
-    if not quantized:
-        flat = dict(param=t.param.reshape(-1), exp_avg=t.exp_avg.reshape(-1), exp_avg_sq=t.exp_avg_sq.reshape(-1),
-                    extra=None if t.extra is None else t.extra.reshape(-1))
-        n = t.rows * t.cols
-        for a in range(0, n, CHUNK_NUMEL):
-            b = min(n, a + CHUNK_NUMEL)
-            yield dataclasses.replace(t, **{k: None if v is None else v[a:b] for k, v in flat.items()},
-                                      rows=1, cols=b - a)
-        return
-    step = max(1, CHUNK_NUMEL // max(t.cols, 1))
-    for r in range(0, t.rows, step):
-        rows = slice(r, min(t.rows, r + step))
-        yield dataclasses.replace(
-            t, param=t.param.reshape(t.rows, t.cols)[rows], exp_avg=t.exp_avg.reshape(t.rows, -1)[rows],
-            exp_avg_sq=t.exp_avg_sq.reshape(t.rows, -1)[rows],
-            exp_avg_scale=t.exp_avg_scale.reshape(t.rows, -1)[rows],
-            exp_avg_sq_scale=t.exp_avg_sq_scale.reshape(t.rows, -1)[rows],
-            extra=None if t.extra is None else t.extra.reshape(t.rows, t.cols)[rows], rows=rows.stop - rows.start)
-
-
-def _codes(cfg: AdamWConfig, t: AdamWTensor) -> torch.Tensor:
-    """The second-moment codes of ``t`` (int32, ``[rows, cols]``; 4-bit unpacked, padding dropped)."""
-    c = t.exp_avg_sq.reshape(t.rows, -1).view(torch.uint8).to(torch.int32)
-    if cfg.v_codec in PACKED_4BIT:
-        c = torch.stack([c & 15, c >> 4], dim=-1).view(t.rows, -1)
-    return c[:, :t.cols]
-
-
-def _add_residual(acc: _Partial, param: torch.Tensor, extra: torch.Tensor, update: int, rows: int,
-                  cols: int) -> None:
-    """Sum of ``|fp32 weight - bf16 weight| / ulp`` of a bf16 weight and its extra state."""
-    w = param.reshape(rows, cols)
-    if update == UPDATE_KAHAN:  # what rounding lost, kept to be added back
-        residual = extra.reshape(rows, cols).to(torch.float32)
-    else:  # the master weight (whole or rebuilt from its remainder) beyond the bf16 weight
-        residual = weight_fp32(w, extra, update, rows, cols) - w.to(torch.float32)
-    acc.add(_RESIDUAL, (residual.abs() / bf16_ulp(w)).sum(dtype=torch.float64))
-    acc.add(_RESIDUAL_ENTRIES, rows * cols)
-
-
-def _add_adamw_chunk(acc: _Partial, cfg: AdamWConfig, t: AdamWTensor, scalars: dict[str, float], lr: float,
-                     sign: float) -> None:
-    m = _load_moment(cfg, t, t.exp_avg, t.exp_avg_scale, cfg.m_codec)
-    v = _load_moment(cfg, t, t.exp_avg_sq, t.exp_avg_sq_scale, cfg.v_codec)
-    w = weight_fp32(t.param, t.extra, cfg.weight_update, t.rows, t.cols)
-    # the reference step's update over lr: step_size * m / (sqrt(v) * inv_sqrt_bc2 + eps) / lr
-    update = sign * scalars["inv_bc1"] * div_rn(m, sqrt_rn(v) * scalars["inv_sqrt_bc2"] + scalars["eps"])
-    if cfg.decoupled:
-        update = update + scalars["wd"] * w
-    acc.max(_MAX_UPDATE, update.abs().max())
-    acc.add(_UPDATE_ENTRIES, t.rows * t.cols)
-    if cfg.v_codec != CODEC_NONE:
-        codes = _codes(cfg, t)
-        smallest = functools.reduce(torch.logical_or, [codes == c for c in smallest_codes(cfg.v_codec)])
-        acc.add(_V_SMALLEST, smallest.sum(dtype=torch.float64))
-        acc.add(_V_ENTRIES, t.rows * t.cols)
-    if cfg.param_dtype != torch.bfloat16:
-        return
-    if cfg.weight_update == UPDATE_NEAREST:
-        delta = -lr * update
-        lost = (delta != 0) & (bf16_rne(w + delta) == t.param.reshape(t.rows, t.cols))
-        acc.add(_LOST, lost.sum(dtype=torch.float64))
-        acc.add(_NEAREST_ENTRIES, t.rows * t.cols)
-    elif cfg.weight_update in RESIDUAL_UPDATES:
-        _add_residual(acc, t.param, t.extra, cfg.weight_update, t.rows, t.cols)
+    def partials(self, device: torch.device) -> torch.Tensor:
+        """The reduced row ``[N_HEALTH]`` of every read (zeros for none)."""
+        fused = [r for r in self.reads if r.fused]
+        parts = [r.reference().to(device) for r in self.reads if not r.fused]
+        if fused:
+            buf = torch.empty(sum(r.rows for r in fused), cols.N_HEALTH, dtype=torch.float64, device=device)
+            start = 0
+            for r in fused:
+                r.kernel(buf[start:start + r.rows])
+                start += r.rows
+            parts.append(buf)
+        if not parts:
+            return torch.zeros(cols.N_HEALTH, dtype=torch.float64, device=device)
+        return reduce_health(torch.cat(parts))
 
 
 def _add_adamw(acc: _Partial, opt) -> None:
     """A LowBitAdamW's parameters that have taken a step."""
-    acc.max(_SKIPPED, opt.skipped_steps)
+    acc.skipped = max(acc.skipped, opt.skipped_steps)
     for gi, group in enumerate(opt.param_groups):
         where = f"param group {gi}"
         lr = hyper_value(where, "lr", group["lr"])
@@ -249,34 +163,46 @@ def _add_adamw(acc: _Partial, opt) -> None:
         sign = -1.0 if group["maximize"] else 1.0  # maximize: Adam on the negated gradient
         for p in group["params"]:
             step = int(opt.state[p]["step"])
-            if step == 0 or not local(p).numel() or not counted_here(p):
+            loc = local(p)
+            if step == 0 or not loc.numel() or not counted_here(p):
                 continue
             cfg = kernel_config(p, p, group)
-            scalars = hyper_scalars(AdamWHyper(
+            h = HealthHyper.of(AdamWHyper(
                 lr=lr, beta1=hyper_value(where, "betas", group["betas"][0]),
                 beta2=hyper_value(where, "betas", group["betas"][1]), eps=hyper_value(where, "eps", group["eps"]),
-                weight_decay=wd, step=step))
-            for chunk in _row_chunks(kernel_tensor(opt, p, cfg), cfg.m_codec != CODEC_NONE):
-                _add_adamw_chunk(acc, cfg, chunk, scalars, lr, sign)
+                weight_decay=wd, step=step), sign)
+            t = kernel_tensor(opt, p, cfg)
+            n = loc.numel()
+            acc.entries[_UPDATE_ENTRIES] += n
+            acc.entries[_V_ENTRIES] += n if cfg.v_codec != CODEC_NONE else 0
+            acc.entries[_NEAREST_ENTRIES] += n if measures_lost(cfg) else 0
+            acc.entries[_RESIDUAL_ENTRIES] += n if measures_residual(cfg.param_dtype, cfg.weight_update) else 0
+            fused = opt._use_fused(loc)
+            acc.reads.append(_Read(
+                rows=adamw_health_rows(cfg, t) if fused else 1, fused=fused,
+                kernel=lambda out, cfg=cfg, t=t, h=h: adamw_health(cfg, t, h, out),
+                reference=lambda cfg=cfg, t=t, h=h: adamw_health_reference(cfg, t, h)))
 
 
 def _add_muon_matrices(acc: _Partial, opt) -> None:
     """A LowBitMuon's Muon matrices: the residual of their bf16 weights."""
-    acc.max(_SKIPPED, opt.skipped_steps)
+    acc.skipped = max(acc.skipped, opt.skipped_steps)
     for group in opt.param_groups:
         update = WEIGHT_UPDATES[group["weight_update"]]
-        if not group.get("use_muon") or update not in RESIDUAL_UPDATES:
+        if not group.get("use_muon"):
             continue
         for p in group["params"]:
             loc = local(p)
-            if loc.dtype != torch.bfloat16 or not loc.numel() or not counted_here(p):
+            if not measures_residual(loc.dtype, update) or not loc.numel() or not counted_here(p):
                 continue
             state = opt.state[p]
             extra = local(state.get("master", state.get("kahan_comp", state.get("master_remainder"))))
-            flat_p, flat_e = loc.reshape(-1), extra.reshape(-1)
-            for a in range(0, loc.numel(), CHUNK_NUMEL):
-                b = min(loc.numel(), a + CHUNK_NUMEL)
-                _add_residual(acc, flat_p[a:b], flat_e[a:b], update, 1, b - a)
+            acc.entries[_RESIDUAL_ENTRIES] += loc.numel()
+            fused = opt._use_fused(loc)
+            acc.reads.append(_Read(
+                rows=residual_health_rows(loc.numel()) if fused else 1, fused=fused,
+                kernel=lambda out, loc=loc, extra=extra: residual_health(loc, extra, update, out),
+                reference=lambda loc=loc, extra=extra: residual_health_reference(loc, extra, update)))
 
 
 def _device(optimizers: list) -> torch.device:
@@ -294,15 +220,20 @@ def optimizer_health(optimizers: "Iterable[Any]") -> OptimizerHealth:
     initialized (every rank must call it then), and one host sync."""
     optimizers = list(optimizers)
     acc = _Partial()
+    for opt in optimizers:
+        if hasattr(opt, "muon_params"):  # LowBitMuon: its Muon matrices, then its inner AdamW
+            _add_muon_matrices(acc, opt)
+            if opt.adamw is not None:
+                _add_adamw(acc, opt.adamw)
+        else:
+            _add_adamw(acc, opt)
+    device = _device(optimizers)
     with torch.no_grad():
-        for opt in optimizers:
-            if hasattr(opt, "muon_params"):  # LowBitMuon: its Muon matrices, then its inner AdamW
-                _add_muon_matrices(acc, opt)
-                if opt.adamw is not None:
-                    _add_adamw(acc, opt.adamw)
-            else:
-                _add_adamw(acc, opt)
-    sums, maxes = acc.vectors(_device(optimizers))
+        part = acc.partials(device)
+    # sums: the summed columns, then the host's element counts; maxima: the largest
+    # update, the skipped steps
+    sums = torch.cat([part[list(_SUMMED)], torch.tensor(acc.entries, dtype=torch.float64, device=device)])
+    maxes = torch.stack([part[cols.MAX_UPDATE], torch.tensor(float(acc.skipped), dtype=torch.float64, device=device)])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         if dist.get_backend() == "gloo":
             sums, maxes = sums.cpu(), maxes.cpu()
@@ -310,14 +241,15 @@ def optimizer_health(optimizers: "Iterable[Any]") -> OptimizerHealth:
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
     values = torch.cat([sums, maxes]).tolist()  # the one host sync
     s, mx = values[:len(sums)], values[len(sums):]
+    counted, entries = dict(zip(_SUMMED, s)), s[len(_SUMMED):]
 
-    def ratio(num: int, den: int) -> Optional[float]:
-        return s[num] / s[den] if s[den] else None
+    def ratio(num: float, den: float) -> Optional[float]:
+        return num / den if den else None
 
     return OptimizerHealth(
-        max_update_over_lr=mx[_MAX_UPDATE] if s[_UPDATE_ENTRIES] else None,
-        v_at_smallest_code=ratio(_V_SMALLEST, _V_ENTRIES),
-        skipped_steps=int(mx[_SKIPPED]),
-        updates_lost_to_rounding=ratio(_LOST, _NEAREST_ENTRIES),
-        residual_over_ulp=ratio(_RESIDUAL, _RESIDUAL_ENTRIES),
+        max_update_over_lr=mx[0] if entries[_UPDATE_ENTRIES] else None,
+        v_at_smallest_code=ratio(counted[cols.V_SMALLEST], entries[_V_ENTRIES]),
+        skipped_steps=int(mx[1]),
+        updates_lost_to_rounding=ratio(counted[cols.LOST], entries[_NEAREST_ENTRIES]),
+        residual_over_ulp=ratio(counted[cols.RESIDUAL], entries[_RESIDUAL_ENTRIES]),
     )
