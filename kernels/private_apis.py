@@ -161,6 +161,12 @@ PRIVATE_USES = (
         "subclass); a SubLN input norm sharded like torchtitan's block norms",
         None),
     PrivateUse(
+        "torch", ("titan_lowbit/torchtitan/cpu_device.py",),
+        ("torch.distributed.tensor.DTensor._op_dispatcher._custom_op_handlers",),
+        "the CPU path: DTensor's random fills on a CPU mesh drawn whole and sharded, the "
+        "values one process draws (torch fills every shard alike there)",
+        None),
+    PrivateUse(
         "torch", ("titan_lowbit/bitnet/weight.py", "titan_lowbit/bitnet/ops.py"),
         ("torch.Tensor._make_wrapper_subclass", "torch._C.DisableTorchFunctionSubclass",
          "torch.autograd._unsafe_preserve_version_counter", "torch.utils._pytree",
@@ -250,9 +256,10 @@ def patch(owner, name: str, value) -> None:
 
 def patch_entry(owner, table: str, key, value) -> None:
     """``owner.table[key] = value`` (an entry of a module's table, e.g. torchtitan's
-    datasets), where PRIVATE_USES lists ``owner.table``."""
+    datasets; ``table`` may be a dotted path of attributes, e.g. a table of an object that
+    a class holds), where PRIVATE_USES lists ``owner.table``."""
     _check_listed(_target(owner, table))
-    getattr(owner, table)[key] = value
+    functools.reduce(getattr, table.split("."), owner)[key] = value
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,7 +1,9 @@
 """The CPU switch is loud: one log line when titan_lowbit moves torchtitan to the CPU
 path, an error instead of a CPU run on a machine whose GPUs CUDA cannot initialise, and
 TITAN_LOWBIT_DEVICE=cpu still choosing the CPU path. What the machine shows (device
-files, nvidia-smi, torch.cuda) is mocked; torchtitan's globals are never touched."""
+files, nvidia-smi, torch.cuda) is mocked; torchtitan's globals are never touched in the
+test process. On the CPU path, sharded parameters initialise as one process draws them
+(gloo processes of their own)."""
 
 import logging
 
@@ -114,3 +116,60 @@ def test_cpu_path_drops_only_the_warnings_that_are_wrong_there():
 
     assert all(map(passes, keep)) and not any(map(passes, drop))
 
+
+
+class _Layers(torch.nn.Module):
+    """An embedding and a column- and a row-wise parallel linear, as torchtitan's TP plan
+    shards them; 10 rows do not split evenly over 4 ranks."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8)
+        self.up = torch.nn.Linear(8, 12, bias=False)
+        self.down = torch.nn.Linear(12, 8, bias=False)
+
+
+def _initialise(model: _Layers) -> None:
+    """Each of DTensor's random fills (cpu_device.RANDOM_FILLS), as torch.nn.init reaches them."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        torch.nn.init.normal_(model.emb.weight)
+        torch.nn.init.trunc_normal_(model.up.weight, std=0.02)  # uniform_
+        model.down.weight.bernoulli_(0.3)
+
+
+def _sharded_initialisations(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    cpu_device.enable()  # this rank's process: torchtitan's globals, DTensor's fills
+    plan = {"emb": RowwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
+    tp = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    results = {}
+    for name in ("tp", "fsdp_x_tp"):
+        with torch.device("meta"):
+            model = _Layers()
+        parallelize_module(model, tp if name == "tp" else mesh["tp"], plan)
+        if name == "fsdp_x_tp":
+            fully_shard(model, mesh=mesh["dp"])
+        model.to_empty(device="cpu")
+        _initialise(model)
+        results[name] = {n: (str(p.placements), p.full_tensor()) for n, p in model.named_parameters()}
+    return results
+
+
+def test_sharded_parameters_initialise_as_one_process_draws(tmp_path):
+    """On the CPU path, a model sharded by TP (4 ranks) or FSDP2 x TP (2 x 2, FSDP2's strided
+    shards) and then initialised holds the values one process draws with the same seed:
+    torch fills every shard of a CPU mesh alike, copies of one shard."""
+    from conftest import run_on_gloo
+
+    whole = _Layers()
+    _initialise(whole)
+    results = run_on_gloo(_sharded_initialisations, 4, tmp_path / "results.pt")
+    for layout, params in results.items():
+        for name, (placements, value) in params.items():
+            assert "Shard" in placements, (layout, name, placements)
+            assert torch.equal(value, whole.get_parameter(name)), (layout, name, placements)

@@ -10,7 +10,12 @@ is the one place where titan_lowbit teaches torchtitan about the CPU:
   reduce-scatter that FSDP2 issues);
 - ``device_module = CpuDeviceModule``: the handful of ``torch.cuda``-style calls the
   Trainer and its memory monitor make (``set_device``, ``memory_stats``, ...), answered
-  for the process (peak resident memory stands in for the allocator's peak).
+  for the process (peak resident memory stands in for the allocator's peak);
+- DTensor's random fills on a CPU mesh (:func:`fill_whole_then_shard`): torch keeps
+  DTensor's sharded random streams for GPU meshes only, and on a CPU mesh every rank
+  would fill its shard with the same values, so the model torchtitan initialises after
+  sharding it (FSDP2, TP) would hold copies of one shard; each rank instead fills the
+  whole tensor and keeps its shard, the values one process draws.
 
 :func:`switch` (run by ``titan_lowbit.torchtitan``, the ``custom_import`` target) turns it
 on, with one log line, when the machine has no GPU, or when ``TITAN_LOWBIT_DEVICE=cpu``
@@ -32,6 +37,7 @@ import warnings
 from types import SimpleNamespace
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan_lowbit.log_notes import drop_notes
 
@@ -166,10 +172,10 @@ CPU_PATH_NOISE = (
     "TORCH_NCCL_",
 )
 # torch's warnings that are wrong on the CPU path: DTensor's random ops on a CPU mesh "may
-# not have complete support" (the CPU path's initialisations are the same draws as the GPU
-# path's, which its tests compare); "Set timeout is now only supported for either nccl or
-# gloo", from torchtitan's timeout adjustment after the first step, on a gloo run (the
-# timeout torchtitan sets at start-up stays in force).
+# not have complete support" (the CPU path fills sharded tensors whole on every rank,
+# fill_whole_then_shard: they hold the values one process draws); "Set timeout is now only
+# supported for either nccl or gloo", from torchtitan's timeout adjustment after the first
+# step, on a gloo run (the timeout torchtitan sets at start-up stays in force).
 CPU_PATH_WARNINGS = (r"DTensor (random operators|manual_seed\(\)) may not have complete support on cpu device mesh"
                      r"|Set timeout is now only supported for either nccl or gloo")
 
@@ -220,8 +226,45 @@ DEVICE_GLOBALS = {
 }
 
 
+# DTensor's in-place random fills: what initialisation calls (torch.nn.init's normal_,
+# uniform_, trunc_normal_, kaiming_*, xavier_* reach DTensor as these).
+RANDOM_FILLS = (torch.ops.aten.normal_.default, torch.ops.aten.uniform_.default,
+                torch.ops.aten.bernoulli_.float)
+
+
+def fill_whole_then_shard(op, args, kwargs) -> DTensor:
+    """A random fill of a DTensor on a CPU mesh, as one process would draw it: every rank
+    fills a tensor of the whole shape from its generator, in step with the others (the
+    Trainer seeds every rank alike), and copies its own shard of it into its local tensor.
+
+    Torch's DTensor gives each shard its own part of one random stream through the
+    generator's offset (Philox), which only GPU generators have; on a CPU mesh it runs the
+    fill on each local tensor, so every shard would get the same values: FSDP2 shards that
+    repeat, and TP shards of attention heads and feed-forward units that also get the same
+    gradients and stay copies, a model as wide as one TP shard. The cost: every rank draws
+    every parameter whole, once, at initialisation.
+    """
+    target = args[0]
+    local = target.to_local()
+    whole = torch.empty(target.shape, dtype=target.dtype, device=local.device)
+    op(whole, *args[1:], **kwargs)
+    shard = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None)
+    local.copy_(shard.to_local())
+    return target
+
+
+def use_whole_random_fills() -> None:
+    """Route DTensor's random fills (``RANDOM_FILLS``) through :func:`fill_whole_then_shard`
+    (an entry of DTensor's table of op handlers, listed in kernels/private_apis.py)."""
+    from titan_lowbit.kernels.private_apis import patch_entry
+
+    for op in RANDOM_FILLS:
+        patch_entry(DTensor, "_op_dispatcher._custom_op_handlers", op, fill_whole_then_shard)
+
+
 def enable() -> None:
-    """Point torchtitan's device globals at the CPU, everywhere they were copied.
+    """Point torchtitan's device globals at the CPU, everywhere they were copied, and
+    DTensor's random fills at :func:`fill_whole_then_shard`.
 
     The list of holders is checked, so a torchtitan release that moves them fails loudly
     instead of half-switching.
@@ -230,6 +273,8 @@ def enable() -> None:
 
     from titan_lowbit.compat import torchtitan_line
     from titan_lowbit.kernels.private_apis import patch
+
+    use_whole_random_fills()
 
     line = torchtitan_line()
     holders = DEVICE_GLOBALS.get(line)
