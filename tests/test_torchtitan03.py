@@ -5,8 +5,9 @@ with torchtitan 0.2 installed the 0.2 integration's tests run instead and this m
 skipped. In-process: the optimizer container (titan_lowbit's names as param-group
 optimizer names, mixed with torch's AdamW), its refusals, torchtitan's zero-gradient
 initialisation step, the overrides and the BitNet converter. End to end, on 2 gloo
-processes through ``torchrun -m torchtitan.train``: the ready debug config from README's
-command; the debug config with three titan_lowbit optimizers at once (fp32 states for the
+processes through ``torchrun -m torchtitan.train`` (the ranks forked from the session's
+server, tests/fork_launcher.py, as for the 0.2 line's runs; README's command and the
+refused start-up through real torchrun): the ready debug config from README's command; the debug config with three titan_lowbit optimizers at once (fp32 states for the
 small parameters and 8-bit states for the attention matrices, both with bf16
 master_remainder weights, and Muon8bit through its override with stochastic rounding for
 the feed-forward matrices: tests/v03_mixed_optimizers.py); 4-bit states with stochastic
@@ -32,7 +33,7 @@ if torchtitan_line() != (0, 3):
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
-from conftest import ROOT, cpu_run_env, run_once_more_after_teardown_abort, step_losses  # noqa: E402
+from conftest import ROOT, cpu_run_env, step_losses, torchrun  # noqa: E402
 from torchtitan.components.optimizer import ParamGroupConfig, default_adamw  # noqa: E402
 from torchtitan.components.optimizer.utils import init_optim_state  # noqa: E402
 
@@ -467,13 +468,11 @@ def test_overrides_apply_to_a_trainer_config_as_torchtitan_applies_them():
 # end to end: torchrun -m torchtitan.train on gloo processes
 # ------------------------------------------------------------------------------------------
 def train_run(dump, *args, config="llama3_debug", nproc=2, steps=8):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "--local-ranks-filter", "0", "-m", "torchtitan.train", "--module", "titan_lowbit.torchtitan",
-           "--config", config, "--dump_folder", str(dump), "--training.steps", str(steps),
-           "--metrics.disable_color_printing", *args]
-    # tests/ on the path: the ranks import the test override of MIXED_OPTIMIZERS from there
-    path = os.pathsep.join(filter(None, (str(ROOT / "tests"), os.environ.get("PYTHONPATH"))))
-    proc = run_once_more_after_teardown_abort(cmd, cpu_run_env(PYTHONPATH=path), 900, nproc)
+    """``torchrun -m torchtitan.train`` with titan_lowbit's module and ``config``, its ranks
+    forked from the session's server (conftest.torchrun)."""
+    target = ["-m", "torchtitan.train", "--module", "titan_lowbit.torchtitan", "--config", config,
+              "--dump_folder", str(dump), "--training.steps", str(steps), "--metrics.disable_color_printing", *args]
+    proc = torchrun(target, nproc, cpu_run_env(), 900, torchrun_flags=("--local-ranks-filter", "0"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc.stdout + proc.stderr
 
@@ -495,11 +494,12 @@ def flatten(tree, prefix=""):
 
 
 CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.no-last_save_model_only"]
-# The ready config's AdamW groups with a Muon8bit group beside them (tests/v03_mixed_optimizers.py):
+# The ready config's AdamW groups with a Muon8bit group beside them (tests/v03_mixed_optimizers.py,
+# imported as tests.v03_mixed_optimizers from the repository root, where the ranks start):
 # Muon's 8-bit momentum sharded by FSDP2 and each matrix orthogonalised whole by its owner
 # rank, its bf16 weights stochastically rounded.
-MIXED_OPTIMIZERS = ["--override.imports",
-                    'v03_mixed_optimizers.muon_beside_adamw8bit={"name": "Muon8bit", "weight_update": "stochastic"}']
+MIXED_OPTIMIZERS = ["--override.imports", 'tests.v03_mixed_optimizers.muon_beside_adamw8bit='
+                    '{"name": "Muon8bit", "weight_update": "stochastic"}']
 READY_OPTIMIZER_LINES = ("titan_lowbit fp32 states, weights bfloat16, bf16 update master_remainder",
                          "titan_lowbit 8bit states, weights bfloat16, bf16 update master_remainder")
 

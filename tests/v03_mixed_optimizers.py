@@ -2,8 +2,8 @@
 titan_lowbit's optimizers in one container, so that one pair of Trainer runs (straight
 and resumed) checks them together.
 
-``--override.imports 'v03_mixed_optimizers.muon_beside_adamw8bit={"weight_update":
-"stochastic"}'`` (with tests/ on PYTHONPATH) takes the ready config's optimizer (torch's
+``--override.imports 'tests.v03_mixed_optimizers.muon_beside_adamw8bit={"weight_update":
+"stochastic"}'`` (run from the repository root) takes the ready config's optimizer (torch's
 AdamW for the small parameters, AdamW8bit for the matrices), passes it and the given
 options through titan_lowbit's own ``lowbit_muon`` override (the matrices' group becomes
 Muon8bit), then puts the attention matrices back under AdamW8bit with the ready config's
