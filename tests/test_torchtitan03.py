@@ -7,13 +7,14 @@ optimizer names, mixed with torch's AdamW), its refusals, torchtitan's zero-grad
 initialisation step, the overrides and the BitNet converter. End to end, on 2 gloo
 processes through ``torchrun -m torchtitan.train`` (the ranks forked from the session's
 server, tests/fork_launcher.py, as for the 0.2 line's runs; README's command and the
-refused start-up through real torchrun): the ready debug config from README's command; the debug config with three titan_lowbit optimizers at once (fp32 states for the
-small parameters and 8-bit states for the attention matrices, both with bf16
-master_remainder weights, and Muon8bit through its override with stochastic rounding for
-the feed-forward matrices: tests/v03_mixed_optimizers.py); 4-bit states with stochastic
-rounding through the override; BitNet. A run checkpointed at step 4 and resumed ends bit
-for bit where the straight run ends (every model and optimizer tensor of the last
-checkpoint), and a 2-process checkpoint continues on 1 process.
+refused start-up through real torchrun): the ready debug config from README's command;
+the debug config with three titan_lowbit optimizers at once (fp32 states for the small
+parameters and 8-bit states for the attention matrices, both with bf16 master_remainder
+weights, and Muon8bit through its override with stochastic rounding for the feed-forward
+matrices: tests/v03_mixed_optimizers.py); BitNet, and SubLN + BitNet with 4-bit states
+and stochastic rounding through the override. A run checkpointed at step 4 and resumed
+ends bit for bit where the straight run ends (every model and optimizer tensor of the
+last checkpoint), and a 2-process checkpoint continues on 1 process.
 """
 
 import copy
@@ -594,16 +595,6 @@ def test_readme_03_command_trains_from_an_empty_directory(tmp_path, prepared_dat
 
 
 @pytest.mark.trainer
-def test_4bit_states_with_stochastic_rounding_through_the_override(tmp_path, prepared_data):
-    override = json.dumps({"name": "AdamW4bit", "weight_update": "stochastic"})
-    log = train_run(tmp_path, "--override.imports", f"titan_lowbit.torchtitan.v03.lowbit_adamw={override}",
-                    steps=6)
-    assert "titan_lowbit 4bit states, weights bfloat16, bf16 update stochastic" in log
-    losses = step_losses(log)
-    assert float(losses[6]) < float(losses[1]) - 0.3, losses
-
-
-@pytest.mark.trainer
 def test_bitnet_with_tensor_parallelism_is_refused_at_start_up(tmp_path, prepared_data):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "--local-ranks-filter", "0", "-m", "torchtitan.train", "--module", "titan_lowbit.torchtitan",
@@ -617,10 +608,17 @@ def test_bitnet_with_tensor_parallelism_is_refused_at_start_up(tmp_path, prepare
 
 
 @pytest.mark.trainer
-def test_bitnet_with_subln_trains(tmp_path, prepared_data):
-    log = train_run(tmp_path, config="llama3_debug_bitnet_subln", steps=4)
+def test_bitnet_with_subln_trains_with_4bit_states_and_stochastic_rounding_through_the_override(
+        tmp_path, prepared_data):
+    """The SubLN + BitNet config, its AdamW groups turned into AdamW4bit with stochastic
+    rounding by the lowbit_adamw override (on the command line, as a user writes it)."""
+    override = json.dumps({"name": "AdamW4bit", "weight_update": "stochastic"})
+    log = train_run(tmp_path, "--override.imports", f"titan_lowbit.torchtitan.v03.lowbit_adamw={override}",
+                    config="llama3_debug_bitnet_subln", steps=6)
+    assert "titan_lowbit 4bit states, weights bfloat16, bf16 update stochastic" in log
     losses = step_losses(log)
-    assert sorted(losses) == [1, 2, 3, 4] and float(losses[4]) < float(losses[1]) - 0.3, losses
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6], losses
+    assert float(losses[4]) < float(losses[1]) - 0.3 and float(losses[6]) < float(losses[1]) - 0.3, losses
 
 
 @pytest.mark.trainer
