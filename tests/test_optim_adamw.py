@@ -374,13 +374,13 @@ def test_gradient_that_turns_non_contiguous_between_steps_is_read_by_value():
     gradient of the same values. (Read as raw memory, the view would be its transpose.)"""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(3)
-    w0 = torch.randn(64, 80, generator=gen)
+    w0 = torch.randn(16, 80, generator=gen)
     ws = [torch.nn.Parameter(w0.clone().to(dev)) for _ in range(2)]
     opts = [LowBitAdamW([("w", w)], state_format="8bit", min_quantized_numel=0) for w in ws]
     for opt in opts:
         opt._use_fused = lambda t: True
     for step in range(3):
-        g = torch.randn(64, 80, generator=gen).to(dev)
+        g = torch.randn(16, 80, generator=gen).to(dev)
         ws[0].grad = g.clone()
         ws[1].grad = g.clone() if step == 0 else g.t().contiguous().t()  # a transposed view from step 1
         assert ws[1].grad.is_contiguous() == (step == 0)
