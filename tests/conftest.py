@@ -179,17 +179,19 @@ def pytest_terminal_summary(terminalreporter, exitstatus):
 
 
 def torchrun(target: list[str], nproc: int, env: dict[str, str], timeout: int,
-             finished: str = TRAINING_FINISHED, before_retry=None) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc_per_node=nproc *target`` from the repository root
-    (target: ``["-m", module, *argv]`` or ``[script, *argv]``), forked from the session's
-    server where it can run it; once more after a teardown abort, as above."""
+             finished: str = TRAINING_FINISHED, before_retry=None,
+             torchrun_flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node=nproc *torchrun_flags *target`` from the
+    repository root (target: ``["-m", module, *argv]`` or ``[script, *argv]``), forked
+    from the session's server where it can run it (whose output is rank 0's, as with
+    ``--local-ranks-filter 0 --tee 3``); once more after a teardown abort, as above."""
     launcher = fork_launcher(env)
     if launcher is not None:
         return _once_more_after_teardown_abort(
             lambda: launcher.launch(target, nproc, env, ROOT, timeout),
             f"(forked) {' '.join(target)}", nproc, finished, before_retry)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", *target]
+           f"--nproc_per_node={nproc}", *torchrun_flags, *target]
     return run_once_more_after_teardown_abort(cmd, env, timeout, nproc, finished, before_retry)
 
 

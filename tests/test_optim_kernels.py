@@ -433,6 +433,8 @@ def test_optimizer_launch_plans_match_reference_path():
     from titan_lowbit.optim.tensors import local
 
     shapes = [(64, 256), (33, 300), (4096,), (2, 3, 1024), (17,), (8, 512)]
+    if INTERPRET:  # the same plans (whole-tile, ragged, small fp32), fewer tiles to interpret
+        shapes = [(16, 256), (5, 300), (4096,), (2, 3, 512), (17,), (8, 512)]
     gen = torch.Generator().manual_seed(0)
     base = [torch.randn(s, generator=gen).to(torch.bfloat16) for s in shapes]
     pf = [torch.nn.Parameter(b.clone().to(DEV)) for b in base]

@@ -6,9 +6,15 @@ skipped. In-process: the optimizer container (titan_lowbit's names as param-grou
 optimizer names, mixed with torch's AdamW), its refusals, torchtitan's zero-gradient
 initialisation step, the overrides, the BitNet converter and the optimizer health
 metrics processor. End to end, on 2 gloo processes through ``torchrun -m
-torchtitan.train``: the ready debug config with 8-bit states and bf16 master_remainder
-weights (reporting the optimizer's health to the console and TensorBoard), 4-bit states with stochastic rounding through
-the override, BitNet; a run checkpointed at step 4 and resumed ends bit for bit where the
+torchtitan.train`` (the ranks forked from the session's server, tests/fork_launcher.py,
+as for the 0.2 line's runs; README's command and the refused start-up through real
+torchrun): the ready debug config from README's command; the debug config with three
+titan_lowbit optimizers at once (fp32 states for the small parameters and 8-bit states
+for the attention matrices, both with bf16 master_remainder weights, and Muon8bit through
+its override with stochastic rounding for the feed-forward matrices:
+tests/v03_mixed_optimizers.py), reporting the optimizer's health to the console and
+TensorBoard; BitNet, and SubLN + BitNet with 4-bit states and stochastic rounding through
+the override. A run checkpointed at step 4 and resumed ends bit for bit where the
 straight run ends (every model and optimizer tensor of the last checkpoint), and a
 2-process checkpoint continues on 1 process.
 """
@@ -32,8 +38,7 @@ if torchtitan_line() != (0, 3):
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
-from conftest import (ROOT, check_health_reported, cpu_run_env, run_once_more_after_teardown_abort,  # noqa: E402
-                      step_losses)
+from conftest import ROOT, check_health_reported, cpu_run_env, step_losses, torchrun  # noqa: E402
 from torchtitan.components.metrics import MetricsProcessor  # noqa: E402
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig, default_adamw  # noqa: E402
 from torchtitan.components.optimizer.utils import init_optim_state  # noqa: E402
@@ -457,6 +462,12 @@ def test_overrides_apply_to_a_trainer_config_as_torchtitan_applies_them():
     # keep fp32 states)
     assert [(g.optimizer_name, g.optimizer_kwargs["weight_update"]) for g in config.optimizer.param_groups] == [
         ("AdamW4bit", "kahan"), ("AdamW4bit", "kahan")]
+    muon = llama3_debug()
+    apply_overrides(OverrideConfig(imports=[
+        ("titan_lowbit.torchtitan.v03.lowbit_muon", {"name": "Muon8bit", "weight_update": "stochastic"}),
+    ]), muon)
+    assert [(g.optimizer_name, g.optimizer_kwargs["weight_update"]) for g in muon.optimizer.param_groups] == [
+        ("AdamW", "master_remainder"), ("Muon8bit", "stochastic")]
 
 
 class RecordingLogger:
@@ -575,11 +586,11 @@ def test_optimizer_health_switch_on_the_command_line_and_through_the_override():
 # end to end: torchrun -m torchtitan.train on gloo processes
 # ------------------------------------------------------------------------------------------
 def train_run(dump, *args, config="llama3_debug", nproc=2, steps=8):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "--local-ranks-filter", "0", "-m", "torchtitan.train", "--module", "titan_lowbit.torchtitan",
-           "--config", config, "--dump_folder", str(dump), "--training.steps", str(steps),
-           "--metrics.disable_color_printing", *args]
-    proc = run_once_more_after_teardown_abort(cmd, cpu_run_env(), 900, nproc)
+    """``torchrun -m torchtitan.train`` with titan_lowbit's module and ``config``, its ranks
+    forked from the session's server (conftest.torchrun)."""
+    target = ["-m", "torchtitan.train", "--module", "titan_lowbit.torchtitan", "--config", config,
+              "--dump_folder", str(dump), "--training.steps", str(steps), "--metrics.disable_color_printing", *args]
+    proc = torchrun(target, nproc, cpu_run_env(), 900, torchrun_flags=("--local-ranks-filter", "0"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc.stdout + proc.stderr
 
@@ -601,6 +612,14 @@ def flatten(tree, prefix=""):
 
 
 CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "4", "--checkpoint.no-last_save_model_only"]
+# The ready config's AdamW groups with a Muon8bit group beside them (tests/v03_mixed_optimizers.py,
+# imported as tests.v03_mixed_optimizers from the repository root, where the ranks start):
+# Muon's 8-bit momentum sharded by FSDP2 and each matrix orthogonalised whole by its owner
+# rank, its bf16 weights stochastically rounded.
+MIXED_OPTIMIZERS = ["--override.imports", 'tests.v03_mixed_optimizers.muon_beside_adamw8bit='
+                    '{"name": "Muon8bit", "weight_update": "stochastic"}']
+READY_OPTIMIZER_LINES = ("titan_lowbit fp32 states, weights bfloat16, bf16 update master_remainder",
+                         "titan_lowbit 8bit states, weights bfloat16, bf16 update master_remainder")
 
 
 # The straight run also reports the optimizer's health (and the resumed runs, without it,
@@ -611,15 +630,16 @@ HEALTH = ["--metrics.optimizer_health", "--metrics.enable_tensorboard"]
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory, prepared_data):
     dump = tmp_path_factory.mktemp("straight03")
-    log = train_run(dump, *CHECKPOINT, *HEALTH)
+    log = train_run(dump, *CHECKPOINT, *MIXED_OPTIMIZERS, *HEALTH)
     return dump, log
 
 
 @pytest.mark.trainer
-def test_debug_config_trains_with_8bit_states_and_master_remainder(straight_run):
+def test_debug_config_trains_with_8bit_adamw_and_8bit_muon_states_at_once(straight_run):
     dump, log = straight_run
-    assert "titan_lowbit fp32 states, weights bfloat16, bf16 update master_remainder" in log
-    assert "titan_lowbit 8bit states, weights bfloat16, bf16 update master_remainder" in log
+    for line in READY_OPTIMIZER_LINES:
+        assert line in log, log[-3000:]
+    assert "titan_lowbit 8bit states (Muon momentum for " in log and "bf16 update stochastic" in log, log[-3000:]
     losses = step_losses(log)
     assert sorted(losses) == list(range(1, 9))
     check_health_reported(log, dump / "tb", 8)
@@ -637,7 +657,7 @@ def test_resume_from_step_4_ends_bit_for_bit_where_the_straight_run_ends(straigh
     resumed = tmp_path / "resumed"
     (resumed / "checkpoint").mkdir(parents=True)
     os.symlink(dump / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
-    resumed_log = train_run(resumed, *CHECKPOINT)
+    resumed_log = train_run(resumed, *CHECKPOINT, *MIXED_OPTIMIZERS)
     assert "Training starts at step 5" in resumed_log
     # the checkpoint keeps the LR schedule's settings; the same ones resume without a word
     settings = json.loads((dump / "checkpoint" / "step-4" / SCHEDULE_FILE).read_text())
@@ -650,6 +670,7 @@ def test_resume_from_step_4_ends_bit_for_bit_where_the_straight_run_ends(straigh
     assert a.keys() == b.keys()
     tensors = [k for k in a if isinstance(a[k], torch.Tensor)]
     assert any("exp_avg_codes" in k for k in tensors) and any("master_remainder" in k for k in tensors)
+    assert any("momentum_buffer_codes" in k for k in tensors)
     for k in tensors:
         assert torch.equal(a[k], b[k]), k
 
@@ -662,7 +683,7 @@ def test_two_process_checkpoint_continues_on_one_process(straight_run, tmp_path)
     os.symlink(dump / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
     one_log = train_run(resumed, "--checkpoint.enable", "--checkpoint.exclude_from_loading", "dataloader",
                         "--checkpoint.interval", "2", "--checkpoint.no-last_save_model_only",
-                        nproc=1, steps=6)
+                        *MIXED_OPTIMIZERS, nproc=1, steps=6)
     losses, straight = step_losses(one_log), step_losses(log)
     assert "Training starts at step 5" in one_log and sorted(losses) == [5, 6]
     # The trained state was loaded: a fresh model starts near the straight run's step-1 loss
@@ -691,42 +712,9 @@ def test_readme_03_command_trains_from_an_empty_directory(tmp_path, prepared_dat
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert sorted(step_losses(out)) == [1, 2]
+    for optimizer_line in READY_OPTIMIZER_LINES:  # the ready config's own optimizer
+        assert optimizer_line in out, out[-4000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]
-
-
-@pytest.mark.trainer
-def test_4bit_states_with_stochastic_rounding_through_the_override(tmp_path, prepared_data):
-    override = json.dumps({"name": "AdamW4bit", "weight_update": "stochastic"})
-    log = train_run(tmp_path, "--override.imports", f"titan_lowbit.torchtitan.v03.lowbit_adamw={override}",
-                    steps=6)
-    assert "titan_lowbit 4bit states, weights bfloat16, bf16 update stochastic" in log
-    losses = step_losses(log)
-    assert float(losses[6]) < float(losses[1]) - 0.3, losses
-
-
-@pytest.mark.trainer
-def test_muon_through_the_override_trains_and_resumes_bit_for_bit(tmp_path, prepared_data):
-    """Muon8bit in place of the ready config's AdamW8bit group (2 FSDP2 processes: each
-    matrix orthogonalised whole by its owner rank), bf16 weights with stochastic rounding:
-    the loss falls, and a run resumed from step 4 ends where the straight run ends, bit for
-    bit (every model and optimizer tensor of the last checkpoint)."""
-    override = json.dumps({"name": "Muon8bit", "weight_update": "stochastic"})
-    args = ("--override.imports", f"titan_lowbit.torchtitan.v03.lowbit_muon={override}", *CHECKPOINT)
-    log = train_run(tmp_path / "a", *args)
-    assert "titan_lowbit 8bit states (Muon momentum for " in log, log[-3000:]
-    losses = step_losses(log)
-    assert float(losses[8]) < float(losses[1]) - 0.5, losses
-    resumed = tmp_path / "b"
-    (resumed / "checkpoint").mkdir(parents=True)
-    os.symlink(tmp_path / "a" / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
-    again = step_losses(train_run(resumed, *args))
-    assert {s: again[s] for s in range(5, 9)} == {s: losses[s] for s in range(5, 9)}
-    a = dict(flatten(checkpoint_tensors(tmp_path / "a" / "checkpoint" / "step-8")))
-    b = dict(flatten(checkpoint_tensors(resumed / "checkpoint" / "step-8")))
-    assert a.keys() == b.keys() and any("momentum_buffer_codes" in k for k in a)
-    for k in a:
-        if isinstance(a[k], torch.Tensor):
-            assert torch.equal(a[k], b[k]), k
 
 
 @pytest.mark.trainer
@@ -743,10 +731,17 @@ def test_bitnet_with_tensor_parallelism_is_refused_at_start_up(tmp_path, prepare
 
 
 @pytest.mark.trainer
-def test_bitnet_with_subln_trains(tmp_path, prepared_data):
-    log = train_run(tmp_path, config="llama3_debug_bitnet_subln", steps=4)
+def test_bitnet_with_subln_trains_with_4bit_states_and_stochastic_rounding_through_the_override(
+        tmp_path, prepared_data):
+    """The SubLN + BitNet config, its AdamW groups turned into AdamW4bit with stochastic
+    rounding by the lowbit_adamw override (on the command line, as a user writes it)."""
+    override = json.dumps({"name": "AdamW4bit", "weight_update": "stochastic"})
+    log = train_run(tmp_path, "--override.imports", f"titan_lowbit.torchtitan.v03.lowbit_adamw={override}",
+                    config="llama3_debug_bitnet_subln", steps=6)
+    assert "titan_lowbit 4bit states, weights bfloat16, bf16 update stochastic" in log
     losses = step_losses(log)
-    assert sorted(losses) == [1, 2, 3, 4] and float(losses[4]) < float(losses[1]) - 0.3, losses
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6], losses
+    assert float(losses[4]) < float(losses[1]) - 0.3 and float(losses[6]) < float(losses[1]) - 0.3, losses
 
 
 @pytest.mark.trainer
