@@ -150,6 +150,8 @@ def test_params_split_by_shape_and_name():
     (lambda lin: LowBitMuon(lin.parameters(), adamw_options={"seed": 3}), "on LowBitMuon itself"),
     (lambda lin: LowBitMuon(lin.parameters(), adamw_options={"betaz": 3}), "not LowBitAdamW keywords"),
     (lambda lin: LowBitMuon([lin.weight, lin.weight]), "listed twice"),
+    (lambda lin: LowBitMuon([torch.nn.Parameter(lin.weight.detach().half())]), "LowBitMuon holds float32 or bfloat16"),
+    (lambda lin: LowBitMuon([torch.nn.Parameter(lin.weight.detach().t())]), "not contiguous; LowBitMuon updates"),
 ])
 def test_bad_input_is_refused_naming_what(build, match):
     lin = torch.nn.Linear(8, 4)

@@ -117,21 +117,22 @@ def checked_local_grad(p: torch.Tensor, name: str, who: str) -> torch.Tensor:
     return lg if lg.is_contiguous() else lg.contiguous()
 
 
-def check_param(p: torch.Tensor, group: dict[str, Any], name: str) -> None:
-    """Refuse a parameter LowBitAdamW cannot step, naming it and the fix."""
+def check_param(p: torch.Tensor, group: dict[str, Any], name: str, optimizer: str = "LowBitAdamW") -> None:
+    """Refuse a parameter ``optimizer`` (the class that checks it) cannot step, naming it
+    and the fix."""
     if p.is_complex():
-        raise TypeError(f"param '{name}' is complex ({p.dtype}); LowBitAdamW steps real parameters only: "
+        raise TypeError(f"param '{name}' is complex ({p.dtype}); {optimizer} steps real parameters only: "
                         "view it as real (torch.view_as_real) or use torch.optim.AdamW for it")
     if not p.is_floating_point():
         raise TypeError(f"param '{name}' has integer dtype {p.dtype}; only float32/bfloat16 parameters "
                         "can be optimized: exclude it from the optimizer")
     if p.dtype not in SUPPORTED_PARAM_DTYPES:
-        raise TypeError(f"param '{name}' has dtype {p.dtype}; LowBitAdamW holds float32 or bfloat16 "
+        raise TypeError(f"param '{name}' has dtype {p.dtype}; {optimizer} holds float32 or bfloat16 "
                         "parameters: cast the model to one of them")
     if p.is_sparse or (isinstance(p, DTensor) and p._local_tensor.is_sparse):
-        raise TypeError(f"param '{name}' is sparse; LowBitAdamW needs dense parameters")
+        raise TypeError(f"param '{name}' is sparse; {optimizer} needs dense parameters")
     if not local(p).is_contiguous():
-        raise ValueError(f"param '{name}' is not contiguous; LowBitAdamW updates parameters in place "
+        raise ValueError(f"param '{name}' is not contiguous; {optimizer} updates parameters in place "
                          "and needs contiguous storage: call .contiguous() on it before building the optimizer")
     fmt, block = param_format(p, group)
     if isinstance(p, DTensor) and fmt.quantized and p.dim() >= 1:

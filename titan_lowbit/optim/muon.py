@@ -263,7 +263,7 @@ class LowBitMuon(torch.optim.Optimizer):
                 for pi, p in enumerate(muon_group["params"]):
                     name = self._param_name(gi, pi, p, muon_group)
                     check_muon_param(p, name)
-                    check_param(p, muon_group, name)
+                    check_param(p, muon_group, name, "LowBitMuon")
         adamw_idx = next((idx for flag, idx in parts if not flag), None)
         if adamw_idx is not None:  # LowBitAdamW checks it and adds it whole, or not at all
             sub = {**adamw_options, USE_MUON: False,
