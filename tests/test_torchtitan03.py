@@ -298,6 +298,15 @@ def test_checkpoint_of_another_optimizer_layout_is_named_before_dcp_loads_it(tmp
            "'exp_avg_sq_codes', 'master_remainder', 'step'], this run ['exp_avg_absmax', 'exp_avg_codes', " \
            "'exp_avg_sq_absmax', 'exp_avg_sq_codes', 'master', 'step']" in fp32
 
+    # A pipeline stage holds some of the parameters (here the embedding, the norm and w1, not
+    # w2): the checkpoint's other parameters are another stage's, and its own are compared.
+    stage = Tiny()
+    del stage.w2
+    assert v03.optimizer_layout_problem({"optimizer": container(stage)}, metadata) is None
+    four = v03.optimizer_layout_problem({"optimizer": container(stage, name="AdamW4bit")}, metadata)
+    assert "'optimizer.state.w1.exp_avg_codes': (96, 160) in the checkpoint, (96, 80) in this run" in four
+    assert "w2" not in four, four
+
 
 def test_lowbit_adamw_override_turns_torch_adamw_groups_into_lowbit():
     config = default_adamw(lr=3e-4)

@@ -587,18 +587,30 @@ def _flat_keys(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _param_of(key: str, prefix: str) -> str:
+    """The parameter FQN of a flat optimizer key: ``prefix`` + FQN + ``.`` + entry."""
+    return key.removeprefix(prefix).rpartition(".")[0]
+
+
 def optimizer_layout_problem(state_dict: dict[str, Any], metadata) -> str | None:
     """How the optimizer states a run would load differ from a checkpoint's (entries that
     one side has and the other lacks, or other global shapes), per parameter; None when
     they agree. An 8-bit checkpoint read by a 4-bit or fp32-state run (or back) differs
-    there; DCP itself would stop at the first such entry without saying why."""
+    there; DCP itself would stop at the first such entry without saying why.
+
+    Only the parameters this rank's optimizers hold are compared (their param-group
+    entries name them, with or without states): under pipeline parallelism a rank holds
+    its stages' parameters, and the checkpoint every stage's."""
     saved = metadata.state_dict_metadata
-    want = {k: v for k, v in _flat_keys(state_dict).items() if k.startswith("optimizer.state.")}
+    flat = _flat_keys(state_dict)
+    want = {k: v for k, v in flat.items() if k.startswith("optimizer.state.")}
     have = {k for k in saved if k.startswith("optimizer.state.")}
     if not have:
         return None
+    held = {_param_of(k, "optimizer.state.") for k in want}
+    held |= {_param_of(k, "optimizer.param_groups.") for k in flat if k.startswith("optimizer.param_groups.")}
     params: dict[str, tuple[set, set]] = {}
-    for key in set(want) | have:
+    for key in set(want) | {k for k in have if _param_of(k, "optimizer.state.") in held}:
         fqn, _, entry = key.removeprefix("optimizer.state.").rpartition(".")
         mine, theirs = params.setdefault(fqn, (set(), set()))
         if key in want:
