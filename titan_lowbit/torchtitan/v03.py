@@ -630,6 +630,31 @@ def optimizer_layout_problem(state_dict: dict[str, Any], metadata) -> str | None
     return "; ".join(lines) + (f" (and {more} more)" if more > 0 else "")
 
 
+def async_stageable(tree: Any) -> Any:
+    """``tree`` (a state dict to save; Stateful values by their state dicts) with a copy of
+    every DTensor whose wrapper starts past its storage's first element, for torch's async
+    save.
+
+    titan_lowbit's optimizer states are views into one buffer per dtype (LowBitAdamW's
+    arenas), and a DTensor over such a view takes the view's storage offset: its
+    ``data_ptr()`` is not 0, which DCP's async staging (StateDictStager) takes for a plain
+    tensor with storage of its own, and the save fails ("copy_() on an invalid python
+    storage"). A copy starts at its storage's first element. It lives until torch has
+    staged the state dict: for ``async``, the save call (torch stages before it returns)."""
+    if isinstance(tree, DTensor):
+        if tree.storage_offset() == 0:
+            return tree
+        return DTensor.from_local(tree.to_local().clone(), tree.device_mesh, tree.placements, run_check=False,
+                                  shape=tree.shape, stride=tree.stride())
+    if isinstance(tree, dict):
+        return {k: async_stageable(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(async_stageable(v) for v in tree)
+    if not isinstance(tree, torch.Tensor) and callable(getattr(tree, "state_dict", None)):
+        return async_stageable(tree.state_dict())  # a Stateful, as DCP reads it
+    return tree
+
+
 class CheckedCheckpointManager(CheckpointManager):
     """torchtitan's checkpoint manager that, before DCP loads a checkpoint, compares its
     optimizer states with the run's and stops naming the parameters and the setting when
@@ -656,11 +681,15 @@ class CheckedCheckpointManager(CheckpointManager):
 
     def dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False,
                  to_hf=False):
-        result = super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
-        # the schedule's settings beside a synchronous save (an async one may still be writing)
-        if not to_hf and async_mode == AsyncMode.DISABLED:
+        # The schedule's settings go into the step folder before DCP starts writing: an
+        # async save (--checkpoint.async_mode async) returns while its files are written in
+        # the background. The folder counts as a checkpoint only once DCP's .metadata is
+        # there, so a save that never finishes leaves nothing a resume would pick.
+        if not to_hf:
             write_schedule(self.states.get("lr_scheduler"), checkpoint_id)
-        return result
+        if async_mode != AsyncMode.DISABLED:
+            state_dict = async_stageable(state_dict)
+        return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
 
 
 # ----------------------------------------------------------------------------------------
