@@ -463,6 +463,21 @@ def test_async_saves_stage_the_optimizer_states_that_live_in_arenas():
         dist.destroy_process_group()
 
 
+def test_async_checkpoints_with_pinned_memory_are_refused_on_the_cpu_path(monkeypatch):
+    """torch stages an ``async_with_pinned_mem`` save with non-blocking copies, which need a
+    GPU: on the CPU path the run is refused at start-up (not at its first save), naming
+    ``async``, which the HSDP run below resumes from bit for bit."""
+    from titan_lowbit.torchtitan.config_registry import llama3_debug
+
+    monkeypatch.setenv("TITAN_LOWBIT_DEVICE", "cpu")
+    config = llama3_debug()
+    config.checkpoint.enable = True
+    config.checkpoint.async_mode = "async_with_pinned_mem"
+    with pytest.raises(ValueError, match=r"async_mode async_with_pinned_mem .* need a GPU.*"
+                                         r"Use --checkpoint.async_mode async"):
+        config.build()
+
+
 def test_persistent_rows_only_for_a_compiled_bitnet_model():
     from titan_lowbit.torchtitan.config_registry import llama3_debug, llama3_debug_bitnet
 

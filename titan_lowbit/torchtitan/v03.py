@@ -821,6 +821,18 @@ def _install_persistent_rows() -> bool:
     return row_reductions.install()
 
 
+def check_cpu_async_mode(checkpoint_config) -> None:
+    """Refuse ``async_with_pinned_mem`` on the CPU path: torch stages that save with
+    non-blocking copies, which need an accelerator, and would stop at the first save, after
+    training up to it. ``async`` (a background thread) writes the same checkpoint."""
+    mode = getattr(checkpoint_config, "async_mode", AsyncMode.DISABLED.value)
+    if checkpoint_config.enable and mode == AsyncMode.ASYNC_WITH_PINNED_MEM.value:
+        raise ValueError(
+            f"--checkpoint.async_mode {mode} stages each save in pinned memory with non-blocking "
+            "copies, which need a GPU; on the CPU path torch would stop at the first save. Use "
+            "--checkpoint.async_mode async (the same checkpoint, written by a background thread).")
+
+
 class LowBitTrainer(Trainer):
     """torchtitan 0.3's Trainer with titan_lowbit's CPU path, start-up checks and BitNet
     scale precompute (see the module docstring). Its config is torchtitan's, with one
@@ -846,6 +858,7 @@ class LowBitTrainer(Trainer):
             if spec is not None and _use_cpu_attention(spec.model):
                 logger.info("titan_lowbit: the CPU path computes FlexAttention as masked SDPA "
                             "(FlexAttention has no backward on the CPU)")
+            check_cpu_async_mode(config.checkpoint)
         if spec is not None:
             check_bitnet_kept(spec.model)
             if config.checkpoint.last_save_in_hf and any(True for _ in spec.model.traverse(NoBlockNorm.Config)):
