@@ -17,7 +17,8 @@ TensorBoard; BitNet, and SubLN + BitNet with 4-bit states and stochastic roundin
 the override. A run checkpointed at step 4 and resumed ends bit for bit where the
 straight run ends (every model and optimizer tensor of the last checkpoint), and a
 2-process checkpoint continues on 1 process. On 4 processes: HSDP with BitNet, resumed
-bit for bit from an async checkpoint, its last save a Hugging Face export.
+bit for bit from an async checkpoint, its last save a Hugging Face export; pipeline x
+tensor parallelism with 4-bit states, resumed bit for bit.
 """
 
 import copy
@@ -862,10 +863,10 @@ def test_hsdp_resumes_bit_for_bit_from_an_async_checkpoint_and_exports_to_huggin
     """HSDP (data_parallel_replicate_degree 2 x data_parallel_shard_degree 2) with BitNet
     linears and every AdamW group made AdamW8bit with stochastic rounding (the lowbit_adamw
     override; the norms keep fp32 states): the step-2 checkpoint is saved asynchronously
-    and carries the LR schedule's settings; resumed from it, the run's losses and its last
-    checkpoint's model equal the straight run's, whose last save is a Hugging Face export
-    of those weights. (DCP saves one replica's shards: replicas that rounded differently
-    would resume into other losses.)"""
+    and carries the LR schedule's settings; resumed from it, the run's step-3 loss and
+    model equal the straight run's, whose last save (step 3) is a Hugging Face export of
+    those weights. (DCP saves one replica's shards: replicas that rounded differently
+    would resume into another loss.)"""
     from titan_lowbit.torchtitan.config_registry import llama3_debug_bitnet
 
     override = json.dumps({"name": "AdamW8bit", "weight_update": "stochastic"})
@@ -875,19 +876,54 @@ def test_hsdp_resumes_bit_for_bit_from_an_async_checkpoint_and_exports_to_huggin
     dump = tmp_path / "hsdp"
     straight = train_run(dump, *hsdp, "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only",
                          "--checkpoint.export_dtype", "bfloat16",
-                         config="llama3_debug_bitnet", nproc=4, steps=4)
+                         config="llama3_debug_bitnet", nproc=4, steps=3)
     assert "BitNet linears 30" in straight and "Staging the checkpoint" in straight, straight[-3000:]
     assert "titan_lowbit 8bit states, weights bfloat16, bf16 update stochastic" in straight, straight[-3000:]
     settings = json.loads((dump / "checkpoint" / "step-2" / SCHEDULE_FILE).read_text())
-    assert settings["training.steps"] == 4, settings
+    assert settings["training.steps"] == 3, settings
     resumed, again = resumed_from(dump, 2, *hsdp, "--checkpoint.no-last_save_model_only",
-                                  config="llama3_debug_bitnet", nproc=4, steps=4)
+                                  config="llama3_debug_bitnet", nproc=4, steps=3)
     assert "learning-rate schedule differs" not in again
     full, part = step_losses(straight), step_losses(again)
-    assert sorted(full) == [1, 2, 3, 4] and part == {3: full[3], 4: full[4]}, (full, part)
+    assert sorted(full) == [1, 2, 3] and part == {3: full[3]}, (full, part)
 
-    exported = hf_export_as_torchtitan(dump / "checkpoint" / "step-4", llama3_debug_bitnet())
-    model = model_tensors(dict(flatten(checkpoint_tensors(resumed / "checkpoint" / "step-4"))))
+    exported = hf_export_as_torchtitan(dump / "checkpoint" / "step-3", llama3_debug_bitnet())
+    model = model_tensors(dict(flatten(checkpoint_tensors(resumed / "checkpoint" / "step-3"))))
     assert sorted(exported) == sorted(model)
     for key, value in exported.items():
         assert value.dtype == torch.bfloat16 and torch.equal(value, model[key]), key
+
+
+@pytest.mark.trainer
+def test_pipeline_x_tensor_parallel_resumes_bit_for_bit(tmp_path, prepared_data):
+    """PP 2 x TP 2 with Interleaved1F1B (four stages of the 6-layer model, two model parts
+    and two optimizer sets per rank), every AdamW group made AdamW4bit with bf16
+    master_remainder weights by the lowbit_adamw override: the TP shards of the debug
+    model's 256-wide rows hold whole 128-element blocks (64 bytes of packed 4-bit codes).
+    Resumed from step 2, the step-3 checkpoint equals the straight run's in every model and
+    optimizer tensor."""
+    override = json.dumps({"name": "AdamW4bit", "weight_update": "master_remainder"})
+    args = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+            "--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_schedule",
+            "Interleaved1F1B", "--training.disable_cuda_graphs", *SMALL_STEPS,
+            "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no-last_save_model_only",
+            "--override.imports", f"titan_lowbit.torchtitan.v03.lowbit_adamw={override}"]
+    dump = tmp_path / "pp_tp"
+    straight = train_run(dump, *args, nproc=4, steps=3)
+    assert "titan_lowbit 4bit states, weights bfloat16, bf16 update master_remainder" in straight, straight[-3000:]
+    resumed, _ = resumed_from(dump, 2, *args, nproc=4, steps=3)
+
+    saved = dict(flatten(checkpoint_tensors(dump / "checkpoint" / "step-2")))
+    last = dict(flatten(checkpoint_tensors(dump / "checkpoint" / "step-3")))
+    again = dict(flatten(checkpoint_tensors(resumed / "checkpoint" / "step-3")))
+    # both ends of the pipeline trained, the row-parallel matrices with 4-bit states
+    for key in ("tok_embeddings.weight", "lm_head.weight", "layers.0.attention.wo.weight",
+                "layers.5.feed_forward.w2.weight"):
+        assert not torch.equal(saved[key], last[key]), key
+    w2 = "optimizer.state.layers.5.feed_forward.w2.weight"
+    assert f"{w2}.exp_avg_codes" in last and f"{w2}.master_remainder" in last, sorted(last)[:20]
+    assert tuple(last["optimizer.state.layers.5.attention.wo.weight.exp_avg_codes"].shape) == (256, 128)
+    tensors = [k for k in last if isinstance(last[k], torch.Tensor)]
+    assert again.keys() == last.keys()
+    differ = [k for k in tensors if not torch.equal(last[k], again[k])]
+    assert not differ, differ[:10]
