@@ -16,7 +16,9 @@ tests/v03_mixed_optimizers.py), reporting the optimizer's health to the console 
 TensorBoard; BitNet, and SubLN + BitNet with 4-bit states and stochastic rounding through
 the override. A run checkpointed at step 4 and resumed ends bit for bit where the
 straight run ends (every model and optimizer tensor of the last checkpoint), and a
-2-process checkpoint continues on 1 process.
+2-process checkpoint continues on 1 process. On 4 processes: HSDP with BitNet, resumed
+bit for bit from an async checkpoint, its last save a Hugging Face export; pipeline x
+tensor parallelism with 4-bit states, resumed bit for bit.
 """
 
 import copy
@@ -298,6 +300,15 @@ def test_checkpoint_of_another_optimizer_layout_is_named_before_dcp_loads_it(tmp
            "'exp_avg_sq_codes', 'master_remainder', 'step'], this run ['exp_avg_absmax', 'exp_avg_codes', " \
            "'exp_avg_sq_absmax', 'exp_avg_sq_codes', 'master', 'step']" in fp32
 
+    # A pipeline stage holds some of the parameters (here the embedding, the norm and w1, not
+    # w2): the checkpoint's other parameters are another stage's, and its own are compared.
+    stage = Tiny()
+    del stage.w2
+    assert v03.optimizer_layout_problem({"optimizer": container(stage)}, metadata) is None
+    four = v03.optimizer_layout_problem({"optimizer": container(stage, name="AdamW4bit")}, metadata)
+    assert "'optimizer.state.w1.exp_avg_codes': (96, 160) in the checkpoint, (96, 80) in this run" in four
+    assert "w2" not in four, four
+
 
 def test_lowbit_adamw_override_turns_torch_adamw_groups_into_lowbit():
     config = default_adamw(lr=3e-4)
@@ -415,6 +426,56 @@ def test_subln_converter_commutes_with_bitnet_and_refuses_what_it_cannot_do():
     config = llama3_debug_bitnet_subln()
     config.checkpoint.last_save_in_hf = True
     with pytest.raises(ValueError, match="no Hugging Face llama name"):
+        config.build()
+
+
+def test_async_saves_stage_the_optimizer_states_that_live_in_arenas():
+    """LowBitAdamW's states are views into one buffer per dtype; a DTensor over such a view
+    has a storage offset, which torch's async staging mistakes for a plain tensor's storage
+    and fails on. The manager hands it a copy of those DTensors: staged, every state
+    equals the optimizer's."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = Tiny()
+        for name, p in list(model.named_parameters()):
+            setattr(model, name, nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])))
+        opt = container(model)
+        states = {k: v for k, v in opt.state_dict().items() if isinstance(v, DTensor)}
+        for v in states.values():
+            local = v.to_local()
+            local.copy_(torch.arange(local.numel()).view(local.shape) % 97)
+        assert any(v.storage_offset() != 0 for v in states.values())
+
+        def stage(state_dict):
+            return DefaultStager(StagingOptions(False, False, False, False)).stage(state_dict)
+
+        with pytest.raises(RuntimeError, match="invalid python storage"):
+            stage({"optimizer": opt.state_dict()})
+        staged = stage(v03.async_stageable({"optimizer": opt}))["optimizer"]
+        for key, value in states.items():
+            assert torch.equal(staged[key].to_local(), value.to_local()), key
+    finally:
+        dist.destroy_process_group()
+
+
+def test_async_checkpoints_with_pinned_memory_are_refused_on_the_cpu_path(monkeypatch):
+    """torch stages an ``async_with_pinned_mem`` save with non-blocking copies, which need a
+    GPU: on the CPU path the run is refused at start-up (not at its first save), naming
+    ``async``, which the HSDP run below resumes from bit for bit."""
+    from titan_lowbit.torchtitan.config_registry import llama3_debug
+
+    monkeypatch.setenv("TITAN_LOWBIT_DEVICE", "cpu")
+    config = llama3_debug()
+    config.checkpoint.enable = True
+    config.checkpoint.async_mode = "async_with_pinned_mem"
+    with pytest.raises(ValueError, match=r"async_mode async_with_pinned_mem .* need a GPU.*"
+                                         r"Use --checkpoint.async_mode async"):
         config.build()
 
 
@@ -758,3 +819,111 @@ def test_bitnet_trains_and_resumes_bit_for_bit(tmp_path, prepared_data):
     a, b = step_losses(straight), step_losses(again)
     assert float(a[8]) < float(a[1]) - 0.3, a
     assert {s: b[s] for s in range(5, 9)} == {s: a[s] for s in range(5, 9)}
+
+
+# ------------------------------------------------------------------------------------------
+# torchtitan's other meshes, async checkpoints and the Hugging Face export, on 4 processes
+# ------------------------------------------------------------------------------------------
+# Smaller steps than the 2-process runs' (each rank's share of a 4-process run costs as
+# much CPU as a 2-process rank's): 2 sequences of 128 tokens per rank.
+SMALL_STEPS = ["--training.local_batch_size", "2", "--training.seq_len", "128"]
+
+
+def resumed_from(dump, step, *args, **kwargs):
+    """``train_run`` in a fresh dump folder whose only checkpoint is ``dump``'s step ``step``
+    (linked), so the run resumes from it."""
+    folder = dump.parent / f"{dump.name}-resumed"
+    (folder / "checkpoint").mkdir(parents=True)
+    os.symlink(dump / "checkpoint" / f"step-{step}", folder / "checkpoint" / f"step-{step}")
+    log = train_run(folder, *args, **kwargs)
+    assert f"Training starts at step {step + 1}" in log, log[-3000:]
+    return folder, log
+
+
+def hf_export_as_torchtitan(folder, config):
+    """The model of a Hugging Face export (``--checkpoint.last_save_in_hf``) in ``folder``,
+    in torchtitan's names (the config's own state-dict adapter)."""
+    from safetensors.torch import load_file
+
+    hf = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        hf.update(load_file(f))
+    assert hf, f"no safetensors file in {folder}: {sorted(p.name for p in folder.iterdir())}"
+    spec = config.model_spec
+    return spec.state_dict_adapter(spec.model, config.hf_assets_path).from_hf(hf)
+
+
+def model_tensors(tensors):
+    return {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor)
+            and not k.startswith(("optimizer.", "lr_scheduler.", "dataloader.", "train_state."))}
+
+
+@pytest.mark.trainer
+def test_hsdp_resumes_bit_for_bit_from_an_async_checkpoint_and_exports_to_hugging_face(tmp_path, prepared_data):
+    """HSDP (data_parallel_replicate_degree 2 x data_parallel_shard_degree 2) with BitNet
+    linears and every AdamW group made AdamW8bit with stochastic rounding (the lowbit_adamw
+    override; the norms keep fp32 states): the step-2 checkpoint is saved asynchronously
+    and carries the LR schedule's settings; resumed from it, the run's step-3 loss and
+    model equal the straight run's, whose last save (step 3) is a Hugging Face export of
+    those weights. (DCP saves one replica's shards: replicas that rounded differently
+    would resume into another loss.)"""
+    from titan_lowbit.torchtitan.config_registry import llama3_debug_bitnet
+
+    override = json.dumps({"name": "AdamW8bit", "weight_update": "stochastic"})
+    hsdp = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+            *SMALL_STEPS, "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.async_mode", "async",
+            "--override.imports", f"titan_lowbit.torchtitan.v03.lowbit_adamw={override}"]
+    dump = tmp_path / "hsdp"
+    straight = train_run(dump, *hsdp, "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only",
+                         "--checkpoint.export_dtype", "bfloat16",
+                         config="llama3_debug_bitnet", nproc=4, steps=3)
+    assert "BitNet linears 30" in straight and "Staging the checkpoint" in straight, straight[-3000:]
+    assert "titan_lowbit 8bit states, weights bfloat16, bf16 update stochastic" in straight, straight[-3000:]
+    settings = json.loads((dump / "checkpoint" / "step-2" / SCHEDULE_FILE).read_text())
+    assert settings["training.steps"] == 3, settings
+    resumed, again = resumed_from(dump, 2, *hsdp, "--checkpoint.no-last_save_model_only",
+                                  config="llama3_debug_bitnet", nproc=4, steps=3)
+    assert "learning-rate schedule differs" not in again
+    full, part = step_losses(straight), step_losses(again)
+    assert sorted(full) == [1, 2, 3] and part == {3: full[3]}, (full, part)
+
+    exported = hf_export_as_torchtitan(dump / "checkpoint" / "step-3", llama3_debug_bitnet())
+    model = model_tensors(dict(flatten(checkpoint_tensors(resumed / "checkpoint" / "step-3"))))
+    assert sorted(exported) == sorted(model)
+    for key, value in exported.items():
+        assert value.dtype == torch.bfloat16 and torch.equal(value, model[key]), key
+
+
+@pytest.mark.trainer
+def test_pipeline_x_tensor_parallel_resumes_bit_for_bit(tmp_path, prepared_data):
+    """PP 2 x TP 2 with Interleaved1F1B (four stages of the 6-layer model, two model parts
+    and two optimizer sets per rank), every AdamW group made AdamW4bit with bf16
+    master_remainder weights by the lowbit_adamw override: the TP shards of the debug
+    model's 256-wide rows hold whole 128-element blocks (64 bytes of packed 4-bit codes).
+    Resumed from step 2, the step-3 checkpoint equals the straight run's in every model and
+    optimizer tensor."""
+    override = json.dumps({"name": "AdamW4bit", "weight_update": "master_remainder"})
+    args = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+            "--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_schedule",
+            "Interleaved1F1B", "--training.disable_cuda_graphs", *SMALL_STEPS,
+            "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no-last_save_model_only",
+            "--override.imports", f"titan_lowbit.torchtitan.v03.lowbit_adamw={override}"]
+    dump = tmp_path / "pp_tp"
+    straight = train_run(dump, *args, nproc=4, steps=3)
+    assert "titan_lowbit 4bit states, weights bfloat16, bf16 update master_remainder" in straight, straight[-3000:]
+    resumed, _ = resumed_from(dump, 2, *args, nproc=4, steps=3)
+
+    saved = dict(flatten(checkpoint_tensors(dump / "checkpoint" / "step-2")))
+    last = dict(flatten(checkpoint_tensors(dump / "checkpoint" / "step-3")))
+    again = dict(flatten(checkpoint_tensors(resumed / "checkpoint" / "step-3")))
+    # both ends of the pipeline trained, the row-parallel matrices with 4-bit states
+    for key in ("tok_embeddings.weight", "lm_head.weight", "layers.0.attention.wo.weight",
+                "layers.5.feed_forward.w2.weight"):
+        assert not torch.equal(saved[key], last[key]), key
+    w2 = "optimizer.state.layers.5.feed_forward.w2.weight"
+    assert f"{w2}.exp_avg_codes" in last and f"{w2}.master_remainder" in last, sorted(last)[:20]
+    assert tuple(last["optimizer.state.layers.5.attention.wo.weight.exp_avg_codes"].shape) == (256, 128)
+    tensors = [k for k in last if isinstance(last[k], torch.Tensor)]
+    assert again.keys() == last.keys()
+    differ = [k for k in tensors if not torch.equal(last[k], again[k])]
+    assert not differ, differ[:10]

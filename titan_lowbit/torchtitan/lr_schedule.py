@@ -52,11 +52,13 @@ def wrap_build_lr_schedulers(build):
 
 
 def write_schedule(container, folder: str | os.PathLike) -> None:
-    """Write the container's settings into the checkpoint ``folder``: every rank calls it,
-    rank 0 writes (no file when the container does not carry its settings)."""
+    """Write the container's settings into the checkpoint ``folder`` (made when missing:
+    the file may come before the checkpoint's own files): every rank calls it, rank 0
+    writes (no file when the container does not carry its settings)."""
     settings = getattr(container, ATTRIBUTE, None)
     if settings is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         path = Path(folder) / SCHEDULE_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(settings, sort_keys=True))
 
 

@@ -587,18 +587,30 @@ def _flat_keys(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _param_of(key: str, prefix: str) -> str:
+    """The parameter FQN of a flat optimizer key: ``prefix`` + FQN + ``.`` + entry."""
+    return key.removeprefix(prefix).rpartition(".")[0]
+
+
 def optimizer_layout_problem(state_dict: dict[str, Any], metadata) -> str | None:
     """How the optimizer states a run would load differ from a checkpoint's (entries that
     one side has and the other lacks, or other global shapes), per parameter; None when
     they agree. An 8-bit checkpoint read by a 4-bit or fp32-state run (or back) differs
-    there; DCP itself would stop at the first such entry without saying why."""
+    there; DCP itself would stop at the first such entry without saying why.
+
+    Only the parameters this rank's optimizers hold are compared (their param-group
+    entries name them, with or without states): under pipeline parallelism a rank holds
+    its stages' parameters, and the checkpoint every stage's."""
     saved = metadata.state_dict_metadata
-    want = {k: v for k, v in _flat_keys(state_dict).items() if k.startswith("optimizer.state.")}
+    flat = _flat_keys(state_dict)
+    want = {k: v for k, v in flat.items() if k.startswith("optimizer.state.")}
     have = {k for k in saved if k.startswith("optimizer.state.")}
     if not have:
         return None
+    held = {_param_of(k, "optimizer.state.") for k in want}
+    held |= {_param_of(k, "optimizer.param_groups.") for k in flat if k.startswith("optimizer.param_groups.")}
     params: dict[str, tuple[set, set]] = {}
-    for key in set(want) | have:
+    for key in set(want) | {k for k in have if _param_of(k, "optimizer.state.") in held}:
         fqn, _, entry = key.removeprefix("optimizer.state.").rpartition(".")
         mine, theirs = params.setdefault(fqn, (set(), set()))
         if key in want:
@@ -616,6 +628,31 @@ def optimizer_layout_problem(state_dict: dict[str, Any], metadata) -> str | None
         return None
     more = len(differ) + len(shapes) - len(lines)
     return "; ".join(lines) + (f" (and {more} more)" if more > 0 else "")
+
+
+def async_stageable(tree: Any) -> Any:
+    """``tree`` (a state dict to save; Stateful values by their state dicts) with a copy of
+    every DTensor whose wrapper starts past its storage's first element, for torch's async
+    save.
+
+    titan_lowbit's optimizer states are views into one buffer per dtype (LowBitAdamW's
+    arenas), and a DTensor over such a view takes the view's storage offset: its
+    ``data_ptr()`` is not 0, which DCP's async staging (StateDictStager) takes for a plain
+    tensor with storage of its own, and the save fails ("copy_() on an invalid python
+    storage"). A copy starts at its storage's first element. It lives until torch has
+    staged the state dict: for ``async``, the save call (torch stages before it returns)."""
+    if isinstance(tree, DTensor):
+        if tree.storage_offset() == 0:
+            return tree
+        return DTensor.from_local(tree.to_local().clone(), tree.device_mesh, tree.placements, run_check=False,
+                                  shape=tree.shape, stride=tree.stride())
+    if isinstance(tree, dict):
+        return {k: async_stageable(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(async_stageable(v) for v in tree)
+    if not isinstance(tree, torch.Tensor) and callable(getattr(tree, "state_dict", None)):
+        return async_stageable(tree.state_dict())  # a Stateful, as DCP reads it
+    return tree
 
 
 class CheckedCheckpointManager(CheckpointManager):
@@ -644,11 +681,15 @@ class CheckedCheckpointManager(CheckpointManager):
 
     def dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False,
                  to_hf=False):
-        result = super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
-        # the schedule's settings beside a synchronous save (an async one may still be writing)
-        if not to_hf and async_mode == AsyncMode.DISABLED:
+        # The schedule's settings go into the step folder before DCP starts writing: an
+        # async save (--checkpoint.async_mode async) returns while its files are written in
+        # the background. The folder counts as a checkpoint only once DCP's .metadata is
+        # there, so a save that never finishes leaves nothing a resume would pick.
+        if not to_hf:
             write_schedule(self.states.get("lr_scheduler"), checkpoint_id)
-        return result
+        if async_mode != AsyncMode.DISABLED:
+            state_dict = async_stageable(state_dict)
+        return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
 
 
 # ----------------------------------------------------------------------------------------
@@ -780,6 +821,18 @@ def _install_persistent_rows() -> bool:
     return row_reductions.install()
 
 
+def check_cpu_async_mode(checkpoint_config) -> None:
+    """Refuse ``async_with_pinned_mem`` on the CPU path: torch stages that save with
+    non-blocking copies, which need an accelerator, and would stop at the first save, after
+    training up to it. ``async`` (a background thread) writes the same checkpoint."""
+    mode = getattr(checkpoint_config, "async_mode", AsyncMode.DISABLED.value)
+    if checkpoint_config.enable and mode == AsyncMode.ASYNC_WITH_PINNED_MEM.value:
+        raise ValueError(
+            f"--checkpoint.async_mode {mode} stages each save in pinned memory with non-blocking "
+            "copies, which need a GPU; on the CPU path torch would stop at the first save. Use "
+            "--checkpoint.async_mode async (the same checkpoint, written by a background thread).")
+
+
 class LowBitTrainer(Trainer):
     """torchtitan 0.3's Trainer with titan_lowbit's CPU path, start-up checks and BitNet
     scale precompute (see the module docstring). Its config is torchtitan's, with one
@@ -805,6 +858,7 @@ class LowBitTrainer(Trainer):
             if spec is not None and _use_cpu_attention(spec.model):
                 logger.info("titan_lowbit: the CPU path computes FlexAttention as masked SDPA "
                             "(FlexAttention has no backward on the CPU)")
+            check_cpu_async_mode(config.checkpoint)
         if spec is not None:
             check_bitnet_kept(spec.model)
             if config.checkpoint.last_save_in_hf and any(True for _ in spec.model.traverse(NoBlockNorm.Config)):
