@@ -16,7 +16,8 @@ tests/v03_mixed_optimizers.py), reporting the optimizer's health to the console 
 TensorBoard; BitNet, and SubLN + BitNet with 4-bit states and stochastic rounding through
 the override. A run checkpointed at step 4 and resumed ends bit for bit where the
 straight run ends (every model and optimizer tensor of the last checkpoint), and a
-2-process checkpoint continues on 1 process. On 4 processes: HSDP with BitNet, resumed
+2-process checkpoint continues on 1 process with the model compiled, resuming bit for bit
+there too. On 4 processes: HSDP with BitNet, resumed
 bit for bit from an async checkpoint, its last save a Hugging Face export; pipeline x
 tensor parallelism with 4-bit states, resumed bit for bit.
 """
@@ -737,16 +738,24 @@ def test_resume_from_step_4_ends_bit_for_bit_where_the_straight_run_ends(straigh
 
 
 @pytest.mark.trainer
-def test_two_process_checkpoint_continues_on_one_process(straight_run, tmp_path):
+def test_two_process_checkpoint_continues_on_one_process_compiled(straight_run, tmp_path):
+    """The straight run's step-4 checkpoint (2 processes, eager) continues on 1 process with
+    the model and the loss compiled (Inductor's C++ kernels on the CPU path), the same
+    three titan_lowbit optimizers stepping the compiled model's bf16 weights; its
+    checkpoint holds the same entries, of the same shapes, as the 2-process eager run's.
+    Compiled, it resumes bit for bit too: from its step-5 checkpoint, step 6 ends where it
+    ended, every model and optimizer tensor equal."""
     dump, log = straight_run
     resumed = tmp_path / "one"
     (resumed / "checkpoint").mkdir(parents=True)
     os.symlink(dump / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
-    one_log = train_run(resumed, "--checkpoint.enable", "--checkpoint.exclude_from_loading", "dataloader",
-                        "--checkpoint.interval", "2", "--checkpoint.no-last_save_model_only",
-                        *MIXED_OPTIMIZERS, nproc=1, steps=6)
+    compiled = ["--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.no-last_save_model_only",
+                "--compile.enable", *MIXED_OPTIMIZERS]
+    one_log = train_run(resumed, "--checkpoint.exclude_from_loading", "dataloader", *compiled, nproc=1, steps=6)
     losses, straight = step_losses(one_log), step_losses(log)
     assert "Training starts at step 5" in one_log and sorted(losses) == [5, 6]
+    assert "Compiling each TransformerBlock with torch.compile" in one_log, one_log[-3000:]
+    assert "Compiling the loss function with torch.compile" in one_log, one_log[-3000:]
     # The trained state was loaded: a fresh model starts near the straight run's step-1 loss
     # (ln 2048 and more); the data differ (a new data-parallel degree restarts the loader).
     assert float(losses[5]) < float(straight[1]) - 1.0, (losses, straight)
@@ -754,6 +763,13 @@ def test_two_process_checkpoint_continues_on_one_process(straight_run, tmp_path)
     two = dict(flatten(checkpoint_tensors(dump / "checkpoint" / "step-8")))
     shapes = {k: tuple(v.shape) for k, v in one.items() if isinstance(v, torch.Tensor)}
     assert shapes == {k: tuple(v.shape) for k, v in two.items() if isinstance(v, torch.Tensor)}
+
+    folder, again_log = resumed_from(resumed, 5, *compiled, nproc=1, steps=6)
+    assert step_losses(again_log) == {6: losses[6]}
+    again = dict(flatten(checkpoint_tensors(folder / "checkpoint" / "step-6")))
+    assert again.keys() == one.keys()
+    differ = [k for k in one if isinstance(one[k], torch.Tensor) and not torch.equal(one[k], again[k])]
+    assert not differ, differ[:10]
 
 
 def test_readme_03_command_trains_from_an_empty_directory(tmp_path, prepared_data):
