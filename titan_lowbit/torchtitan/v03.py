@@ -22,8 +22,9 @@ plugs in at those points, without touching torchtitan's module state:
 - :class:`LowBitTrainer` is torchtitan's ``Trainer`` that also takes the CPU path where
   there is no GPU (gloo, the kernels' PyTorch references), refuses what would not work,
   precomputes the sharded BitNet weights' scales after each optimizer step with one
-  all-reduce, checks a checkpoint's optimizer layout before loading it
-  (:class:`CheckedCheckpointManager`), and logs one line saying what titan_lowbit changed.
+  all-reduce, checks a checkpoint's optimizer layout before loading it and hands async
+  saves optimizer states torch can stage (:class:`CheckedCheckpointManager`), and logs one
+  line saying what titan_lowbit changed.
 - :class:`HealthMetricsProcessor` is torchtitan's ``MetricsProcessor`` whose
   ``optimizer_health`` switch (``--metrics.optimizer_health`` in the ready configs) adds
   the titan_lowbit optimizers' health to every logged step, on the console and in
@@ -660,7 +661,9 @@ class CheckedCheckpointManager(CheckpointManager):
     optimizer states with the run's and stops naming the parameters and the setting when
     they were written by another optimizer layout (name, state format, block size,
     weight_update): DCP would fail on the first missing key, or, where the shapes agree (8
-    bit against fp8 codes), load bytes of another format."""
+    bit against fp8 codes), load bytes of another format. Every save carries the LR
+    schedule's settings; an async one gets the optimizer states as torch can stage them
+    (:func:`async_stageable`)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
