@@ -29,11 +29,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from run_logs import step_losses  # scripts/run_logs.py, beside this file
+from run_logs import step_losses, validation_losses  # scripts/run_logs.py, beside this file
 
 ROOT = Path(__file__).resolve().parents[1]
-VAL_LOSS = re.compile(r"validate step:\s*(\d+)\s+loss:\s*(-?[0-9.]+|nan|inf)")
-
 # (label, optimizer name, [lowbit] weight_dtype, [lowbit] weight_update)
 VARIANTS = [
     ("fp32 AdamW (torch)", "AdamW", "auto", "nearest"),
@@ -73,7 +71,7 @@ def parse_run(out: str, steps: int, what: str) -> dict:
     """Training curve, final train loss (mean of the last 10% of steps) and final
     validation loss from one run's torchtitan output."""
     train = {s: float(l) for s, l in step_losses(out).items()}
-    val = [float(l) for _, l in VAL_LOSS.findall(out)]
+    val = [loss for _, loss in sorted(validation_losses(out).items())]
     if len(train) != steps or not val:
         raise SystemExit(f"variant {what}: could not read losses:\n{out[-3000:]}")
     tail = [train[s] for s in sorted(train)[-max(steps // 10, 1):]]

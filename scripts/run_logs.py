@@ -2,6 +2,7 @@
 
 - :func:`step_losses`: the loss of every training step, as printed (compared exactly by
   the tests, ``tools/resume_check.sh`` and ``scripts/convergence.py``);
+  :func:`validation_losses`: the validation loss of every validated step;
 - :func:`parse_log`: torchtitan's per-step metrics line (``step: N  loss: L  grad_norm: G
   memory: X GiB(Y%)  tps: T ...``, from ``torchtitan/components/metrics.py``), per rank;
 - :func:`summarize`: steady-state figures of a run (``scripts/scale_runs.py``,
@@ -25,6 +26,7 @@ STEP = re.compile(
 )
 # The loss of a training step as torchtitan prints it, in any log format (colors off).
 STEP_LOSS = re.compile(r"\bstep:\s*(\d+)\s+loss:\s*(-?[0-9.]+|nan|inf)")
+VAL_LOSS = re.compile(r"validate step:\s*(\d+)\s+loss:\s*(-?[0-9.]+|nan|inf)")
 
 
 def step_losses(text: str) -> dict[int, str]:
@@ -36,6 +38,11 @@ def step_losses(text: str) -> dict[int, str]:
         if m := STEP_LOSS.search(line):
             losses[int(m.group(1))] = m.group(2)
     return losses
+
+
+def validation_losses(text: str) -> dict[int, float]:
+    """{step: validation loss} for the steps torchtitan validated (colors off)."""
+    return {int(step): float(loss) for step, loss in VAL_LOSS.findall(text)}
 
 
 def parse_log(text: str) -> dict[int, dict[int, dict[str, float]]]:
