@@ -4,9 +4,11 @@
 Each run is ``LABEL=LOG``, the output of ``scripts/train.sh`` (``--metrics.disable_color_printing``
 or not). The table gives, per run: the optimizer state in bytes per parameter that
 titan_lowbit's start-up summary line states, the peak memory and the median tokens/s per
-GPU after ``--warmup`` logged steps (rank 0; ``run_logs.summarize``), the last logged
-training loss, the validation loss of the last validated step, and its gap to the
-``--baseline`` run's. ``--png`` draws the training-loss curves (needs matplotlib:
+GPU after ``--warmup`` logged steps (rank 0; ``run_logs.summarize``), the training loss
+as the mean of the last 10% of the logged steps (one step's loss is one batch's, too noisy
+to compare), the validation loss of the last validated step, and its gap to the
+``--baseline`` run's. ``--png`` draws the training-loss curves, and beside them the
+validation curves when the runs validated more than once (needs matplotlib:
 ``pip install -e '.[bench]'``).
 
     python3 scripts/plot_losses.py --baseline Muon --png docs/muon_1b.png \\
@@ -40,14 +42,17 @@ def read_run(label: str, text: str, warmup: int) -> dict:
     if missing:
         raise SystemExit(f"plot_losses: the log of {label!r} has no {', no '.join(missing)}")
     last = max(validation)
+    losses = figures["losses"]
+    tail = [losses[s] for s in sorted(losses)[-max(len(losses) // 10, 1):]]
     return {"label": label, "state_bytes": float(state.group(1)), **figures,
+            "train_loss": sum(tail) / len(tail), "validation": validation,
             "val_step": last, "val_loss": validation[last]}
 
 
 def table(rows: list[dict], baseline: str) -> str:
     """The markdown table, gaps against the row labelled ``baseline``."""
     base = next(r for r in rows if r["label"] == baseline)
-    lines = ["| run | optimizer state B/param | peak GiB | tokens/s | train loss (last step) "
+    lines = ["| run | optimizer state B/param | peak GiB | tokens/s | train loss (last 10% of logged steps) "
              f"| validation loss (step {base['val_step']}) | vs {baseline} |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
@@ -56,7 +61,7 @@ def table(rows: list[dict], baseline: str) -> str:
                              f"{baseline!r} at {base['val_step']}: compare runs of the same length")
         gap = "" if r is base else f"{100 * (r['val_loss'] - base['val_loss']) / base['val_loss']:+.2f}%"
         lines.append(f"| {r['label']} | {r['state_bytes']:.3f} | {r['peak_gib']:.2f} | {r['tps']:,.0f} "
-                     f"| {r['loss']:.4f} | {r['val_loss']:.4f} | {gap} |")
+                     f"| {r['train_loss']:.4f} | {r['val_loss']:.4f} | {gap} |")
     return "\n".join(lines) + "\n"
 
 
@@ -68,15 +73,20 @@ def plot(rows: list[dict], png: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for r in rows:
-        steps = sorted(r["losses"])
-        ax.plot(steps, [r["losses"][s] for s in steps], label=r["label"], linewidth=1.2)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    curves = [("training loss", "losses")]
+    if any(len(r["validation"]) > 1 for r in rows):
+        curves.append(("validation loss", "validation"))
+    fig, axes = plt.subplots(1, len(curves), figsize=(8 * len(curves), 5), squeeze=False)
+    for ax, (what, key) in zip(axes[0], curves):
+        for r in rows:
+            steps = sorted(r[key])
+            ax.plot(steps, [r[key][s] for s in steps], label=r["label"], linewidth=1.2,
+                    marker="o" if key == "validation" else None, markersize=3)
+        ax.set_xlabel("step")
+        ax.set_ylabel(what)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
@@ -89,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2,
                         help="logged steps left out of the tokens/s median (default 2)")
     parser.add_argument("--png", type=Path, help="write the training-loss curves here")
-    parser.add_argument("--title", default="training loss")
+    parser.add_argument("--title", default="", help="the figure's title")
     args = parser.parse_args(argv)
     rows = []
     for run in args.runs:

@@ -59,3 +59,19 @@ def test_runs_that_cannot_be_compared_are_refused_by_name(tmp_path):
     assert proc.returncode != 0 and "'Muon' was validated last at step 1, 'AdamW' at 2" in proc.stderr
     proc = _run(tmp_path, {"AdamW": good}, "--baseline", "Muon")
     assert proc.returncode != 0 and "--baseline 'Muon' is none of the runs' labels" in proc.stderr
+
+
+def test_png_holds_the_curves_or_the_error_names_matplotlib(tmp_path):
+    """With matplotlib (the ``bench`` extra) the curves land in the PNG; without it the
+    table is printed and the PNG is refused naming the extra, never silently skipped."""
+    png = tmp_path / "curves.png"
+    proc = _run(tmp_path, {"AdamW": _log("AdamW", "8.000", [10.0, 6.0], [1000, 2000], 27.05, 3.6582)},
+                "--png", str(png), "--title", "test")
+    assert "| AdamW | 8.000 |" in proc.stdout, proc.stderr
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert proc.returncode != 0 and "pip install -e '.[bench]'" in proc.stderr and not png.exists()
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
