@@ -1,6 +1,7 @@
 """A small model with llama3's parameter names and titan_lowbit's torchtitan 0.2
 optimizer container around it, for the tests of per-parameter state formats and of state
-conversion (tests/test_fp32_states.py, tests/test_checkpoint_convert.py)."""
+conversion and of the Muon names (tests/test_fp32_states.py, tests/test_checkpoint_convert.py,
+tests/test_muon_torchtitan.py)."""
 
 import torch
 import torch.nn as nn
@@ -26,11 +27,6 @@ class Tiny(nn.Module):
                                                          "wq": nn.Linear(DIM, DIM)})})
         self.norm = nn.RMSNorm(DIM)
         self.output = nn.Linear(DIM, VOCAB, bias=False)
-
-
-def build(model, name="AdamW8bit", **lowbit):
-    return build_lowbit_optimizers([model], OptimizerConfig(name=name, lr=1e-2), None,
-                                   lowbit=LowBit(**lowbit), seed=0, base_builder=build_optimizers)
 
 
 def build(model, name="AdamW8bit", **lowbit):
