@@ -18,8 +18,20 @@ from torchtitan.config import ConfigManager
 from torchtitan.train import Trainer
 
 
+# Neither gloo nor NCCL gathers int16 (the master_remainder state): such a state travels as
+# bf16 values of the same bits.
+GATHERED_AS = {torch.int16: torch.bfloat16}
+
+
 def full(value):
-    return value.full_tensor() if isinstance(value, DTensor) else value
+    if not isinstance(value, DTensor):
+        return value
+    wire = GATHERED_AS.get(value.dtype)
+    if wire is None:
+        return value.full_tensor()
+    as_wire = DTensor.from_local(value.to_local().view(wire), value.device_mesh, value.placements,
+                                 run_check=False, shape=value.shape, stride=value.stride())
+    return as_wire.full_tensor().view(value.dtype)
 
 
 def main(checkpoint_dir: str, step: int, argv: list[str]) -> None:

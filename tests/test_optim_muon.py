@@ -211,6 +211,37 @@ def test_torch_save_load_resumes_bit_for_bit(fmt, update):
                                else opt2.state[q][k]), k
 
 
+def test_bitnet_weights_are_stepped_in_their_latent_weight():
+    """A BitNet linear's weight (``BitNetTrainingWeight``) is a 2-D matrix that wraps its
+    latent weight: Muon steps it, in place, bit for bit as a plain matrix of the same
+    values, and the step makes its kept ternary codes stale, so the forward and the
+    converter's post-step hook quantize the new values."""
+    from titan_lowbit.bitnet import BitNetTrainingWeight, convert_to_bitnet, refresh_ternary_codes
+
+    torch.manual_seed(0)  # BitNet layers have at least 16 inputs and outputs
+    plain = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Tanh(), torch.nn.Linear(48, 24)).to(torch.bfloat16)
+    bitnet = copy.deepcopy(plain)
+    convert_to_bitnet(bitnet, [])
+    latent = [m.weight for m in (bitnet[0], bitnet[2])]
+    assert all(type(w) is BitNetTrainingWeight for w in latent)
+    before = [w._data.clone() for w in latent]
+    kw = dict(lr=1e-2, state_format="8bit", weight_update="stochastic", min_quantized_numel=0)
+    opts = [LowBitMuon(m.named_parameters(), **kw) for m in (bitnet, plain)]
+    assert [len(g["params"]) for g in opts[0].param_groups if g["use_muon"]] == [2]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        assert refresh_ternary_codes(latent) == 2
+        grads = [torch.randn(p.shape, generator=gen).to(p.dtype) for p in plain.parameters()]
+        for model, opt in zip((bitnet, plain), opts):
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g.clone()
+            opt.step()
+        assert all(w.ternary_codes() is None for w in latent)
+    for w, m, old in zip(latent, (plain[0], plain[2]), before):
+        assert torch.equal(w._data.view(torch.int16), m.weight.detach().view(torch.int16))
+        assert not torch.equal(w._data, old)
+
+
 def test_weight_updates_need_their_state_and_differ_from_nearest():
     """Every bf16 update rule keeps its extra state for the Muon matrices too, and at a
     small lr the rules other than nearest move the weights that nearest leaves stale

@@ -10,7 +10,10 @@ changes the checkpoint's layout, its checkpoint loads exactly on a plain FSDP2 m
   optimizers, per rank; ``[lowbit] fp32_states`` names parameters of the first and of the
   last stage): it trains and its checkpoint reshards onto FSDP2, but a resume on the
   pipeline mesh is refused before it would hang;
-- ``[optimizer] early_step_in_backward`` on FSDP2 2 (one optimizer per parameter).
+- ``[optimizer] early_step_in_backward`` on FSDP2 2 (one optimizer per parameter);
+- Muon8bit (Muon for the matrices, its inner AdamW8bit for the rest) with bf16 weights on
+  HSDP 2 x 2 with BitNet linears and full activation checkpointing, and on FSDP2 2 x TP 2
+  with the model compiled (Inductor's C++ backend on the CPU path).
 """
 
 import shutil
@@ -27,13 +30,13 @@ ALL_THREE = ("--model.converters", "bitnet", "--optimizer.name", "AdamW8bit",
              "--lowbit.weight_dtype", "bfloat16", "--lowbit.weight_update", "stochastic")
 
 
-def straight_and_resumed(dump, *overrides, nproc, straight=(), resumed=()):
-    """A run of STEPS steps that saves at SAVE and STEPS (extra flags ``straight``), its
-    last checkpoint moved to ``dump/straight-step-STEPS``, then the same run resumed from
-    step SAVE (extra flags ``resumed``). Returns the two runs' outputs."""
+def straight_and_resumed(dump, *overrides, nproc, straight=(), resumed=(), features=ALL_THREE):
+    """A run of STEPS steps with ``features`` that saves at SAVE and STEPS (extra flags
+    ``straight``), its last checkpoint moved to ``dump/straight-step-STEPS``, then the same
+    run resumed from step SAVE (extra flags ``resumed``). Returns the two runs' outputs."""
     common = ("--training.steps", str(STEPS), "--lr_scheduler.total_steps", "8",
               "--validation.no-enable", "--job.dump_folder", str(dump), "--checkpoint.enable",
-              "--checkpoint.interval", str(SAVE), *ALL_THREE, *overrides)
+              "--checkpoint.interval", str(SAVE), *features, *overrides)
     first = run_train(*common, *straight, nproc=nproc)
     shutil.move(dump / "checkpoint" / f"step-{STEPS}", dump / f"straight-step-{STEPS}")
     second = run_train(*common, *resumed, nproc=nproc)
@@ -63,15 +66,28 @@ def dcp_tensors(folder) -> dict[str, torch.Tensor]:
     return flat
 
 
-def reshards_onto_fsdp(dump, *overrides):
-    """The step-SAVE checkpoint loads on 2 processes, FSDP2 only, every model and optimizer
-    tensor equal to the checkpoint's (tests/reshard_check.py)."""
+def reshards_onto_fsdp(dump, *overrides, features=ALL_THREE):
+    """The step-SAVE checkpoint of a run with ``features`` loads on 2 processes, FSDP2
+    only, every model and optimizer tensor equal to the checkpoint's
+    (tests/reshard_check.py)."""
     argv = ["--job.config_file", str(DEBUG_CONFIG), "--validation.no-enable",
-            "--job.dump_folder", str(dump), "--checkpoint.enable", *ALL_THREE, *overrides,
+            "--job.dump_folder", str(dump), "--checkpoint.enable", *features, *overrides,
             "--checkpoint.exclude_from_loading", "dataloader"]
     check = reshard_check(2, str(dump / "checkpoint"), str(SAVE), *argv)
     assert check.returncode == 0, check.stdout[-4000:] + check.stderr[-4000:]
     assert "RESHARD OK" in check.stdout and "on 2 processes" in check.stdout
+
+
+def resumed_ends_where_straight_ended(dump) -> dict[str, torch.Tensor]:
+    """The resumed run's last checkpoint equals the straight run's in every model and
+    optimizer tensor (so the resumed run took the straight run's last step too, which no
+    logged loss shows); returns the straight run's."""
+    last = dcp_tensors(dump / f"straight-step-{STEPS}")
+    resumed = dcp_tensors(dump / "checkpoint" / f"step-{STEPS}")
+    assert resumed.keys() == last.keys()
+    differ = [k for k in last if not torch.equal(last[k], resumed[k])]
+    assert not differ, differ[:10]
+    return last
 
 
 def hf_export(folder) -> dict[str, torch.Tensor]:
@@ -132,10 +148,7 @@ def test_pipeline_parallel_resumes_bit_for_bit_and_reshards(tmp_path, prepared_d
     for first_and_last in ("tok_embeddings.weight", "output.weight", "layers.0.attention.wq.weight",
                            "layers.5.feed_forward.w2.weight"):
         assert not torch.equal(saved[first_and_last], last[first_and_last]), first_and_last
-    resumed = dcp_tensors(dump / "checkpoint" / f"step-{STEPS}")
-    assert resumed.keys() == last.keys()
-    differ = [k for k in last if not torch.equal(last[k], resumed[k])]
-    assert not differ, differ[:10]
+    resumed_ends_where_straight_ended(dump)
 
     reshards_onto_fsdp(dump, *fp32_states)
 
@@ -146,3 +159,59 @@ def test_early_step_in_backward_resumes_bit_for_bit(tmp_path, prepared_data):
     full, resumed = step_losses(full), step_losses(resumed)
     assert sorted(full) == list(range(1, STEPS + 1)) and float(full[STEPS]) < float(full[1]) - 0.4, full
     assert resumed == {s: full[s] for s in range(SAVE + 1, STEPS + 1)}, (full, resumed)
+
+
+# Muon8bit with bf16 weights: Muon steps the 42 matrices of the debug model's 6 layers
+# (the BitNet linears' latent weights where BitNet is on), its inner AdamW8bit the
+# embeddings, the head and the norms. Its update's RMS is AdamW's settled one (0.2 lr), so
+# it takes a larger lr (as in tests/test_train_e2e.py).
+MUON8 = ("--optimizer.name", "Muon8bit", "--optimizer.lr", "1e-2", "--lowbit.weight_dtype", "bfloat16")
+LAYER_MATRICES = 6 * 7  # wq, wk, wv, wo, w1, w2, w3 per layer
+
+
+def muon_resumed_bit_for_bit(dump, full: str, resumed: str, *weight_update_states: str) -> None:
+    """The straight and resumed runs of a Muon name: equal losses after the resume and an
+    equal last checkpoint; the loss falls; every layer matrix has an 8-bit momentum and the
+    states of its weight update, and moved from step SAVE to step STEPS."""
+    full, resumed = step_losses(full), step_losses(resumed)
+    assert sorted(full) == list(range(1, STEPS + 1)) and float(full[STEPS]) < float(full[1]) - 0.4, full
+    assert resumed == {s: full[s] for s in range(SAVE + 1, STEPS + 1)}, (full, resumed)
+    last = resumed_ends_where_straight_ended(dump)
+    saved = dcp_tensors(dump / "checkpoint" / f"step-{SAVE}")
+    momentum = [k.removeprefix("optimizer.state.").removesuffix(".momentum_buffer_codes") for k in last
+                if k.endswith(".momentum_buffer_codes")]
+    assert len(momentum) == LAYER_MATRICES and all(k.startswith("layers.") for k in momentum), momentum
+    for fqn in momentum:
+        for state in weight_update_states:
+            assert f"optimizer.state.{fqn}.{state}" in last, (fqn, state)
+        assert last[fqn].dtype == torch.bfloat16 and not torch.equal(saved[fqn], last[fqn]), fqn
+
+
+def test_muon_on_hsdp_compiled_with_activation_checkpointing_resumes_bit_for_bit_and_reshards(
+        tmp_path, prepared_data):
+    # The model's blocks and the loss compiled (Inductor's C++ backend on the CPU path) and
+    # recomputed in the backward; the optimizer step runs eagerly, as without compile.
+    dump = tmp_path / "muon_hsdp"
+    features = (*MUON8, "--lowbit.weight_update", "stochastic")
+    full, resumed = straight_and_resumed(
+        dump, "--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+        "--compile.enable", "--activation_checkpoint.mode", "full", nproc=4, features=features)
+    assert ("Compiling each TransformerBlock with torch.compile" in full
+            and "Applied full activation checkpointing" in full), full[-3000:]
+    muon_resumed_bit_for_bit(dump, full, resumed)
+    reshards_onto_fsdp(dump, features=features)
+
+
+def test_muon_on_fsdp_x_tensor_parallel_with_bitnet_resumes_bit_for_bit_and_reshards(tmp_path, prepared_data):
+    # BitNet's latent weights are Muon's matrices; their scales are precomputed after each
+    # step over both mesh dimensions. TP 2 splits the 256-wide rows of wo and w2 in two:
+    # blocks of 128 keep every quantization block of their momentum inside one shard.
+    dump = tmp_path / "muon_fsdp_x_tp"
+    features = (*MUON8, "--lowbit.weight_update", "master_remainder", "--lowbit.block_size", "128",
+                "--model.converters", "bitnet")
+    full, resumed = straight_and_resumed(
+        dump, "--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+        nproc=4, features=features)
+    assert "converters ['bitnet']; optimizer Muon8bit" in full, full[-3000:]
+    muon_resumed_bit_for_bit(dump, full, resumed, "master_remainder")
+    reshards_onto_fsdp(dump, features=features)

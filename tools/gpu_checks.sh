@@ -9,7 +9,8 @@
 #           CPU-path tests run on the CPU beside them (1 GPU)
 #   compat  the runs behind docs/compatibility.md's GPU cells, each a resume check:
 #           compile with bf16 weights (1 GPU); float8 linears with AdamW8bit, fp32
-#           weights and bf16 weights, FSDP2 (2 GPUs, torchao installed)
+#           weights and bf16 weights, and with Muon8bit, bf16 weights, FSDP2 (2 GPUs,
+#           torchao installed)
 #   bitnet  BitNet resumes bit for bit over NCCL: the debug model under TP 2 with
 #           AdamW8bit + bf16 master_remainder, blocks of 128 (TP splits its 256-wide rows
 #           in two) (2 GPUs); llama3 1B under FSDP2 over 4 GPUs
@@ -84,6 +85,9 @@ for c in "${checks[@]}"; do
         resume float8_fp32 2 $debug "${seeded[@]}" "${float8[@]}" --optimizer.name AdamW8bit
         resume float8_bf16 2 $debug "${seeded[@]}" --compile.enable "${float8[@]}" \
           --quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp "${a8sr[@]}"
+        resume float8_muon8 2 $debug "${seeded[@]}" --compile.enable "${float8[@]}" \
+          --quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp --optimizer.name Muon8bit \
+          --optimizer.lr 1e-2 --lowbit.weight_dtype bfloat16 --lowbit.weight_update master_remainder
       else
         record float8 "skipped: torchao is not installed" 0
       fi ;;
