@@ -29,7 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from run_logs import step_losses, validation_losses  # scripts/run_logs.py, beside this file
+from run_logs import final_train_loss, step_losses, validation_losses  # scripts/run_logs.py, beside this file
 
 ROOT = Path(__file__).resolve().parents[1]
 # (label, optimizer name, [lowbit] weight_dtype, [lowbit] weight_update)
@@ -74,8 +74,7 @@ def parse_run(out: str, steps: int, what: str) -> dict:
     val = [loss for _, loss in sorted(validation_losses(out).items())]
     if len(train) != steps or not val:
         raise SystemExit(f"variant {what}: could not read losses:\n{out[-3000:]}")
-    tail = [train[s] for s in sorted(train)[-max(steps // 10, 1):]]
-    return {"train": train, "final_train": sum(tail) / len(tail), "final_val": val[-1]}
+    return {"train": train, "final_train": final_train_loss(train), "final_val": val[-1]}
 
 
 # Results are keyed (lr, variant label, seed); seed None: the config's own debug.seed.

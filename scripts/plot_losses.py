@@ -25,7 +25,7 @@ import re
 import sys
 from pathlib import Path
 
-from run_logs import parse_log, summarize, validation_losses  # scripts/run_logs.py, beside this file
+from run_logs import final_train_loss, parse_log, summarize, validation_losses  # scripts/run_logs.py, beside this file
 
 # titan_lowbit's start-up summary line: "... optimizer state 1.137 B/param vs 8 for fp32 AdamW ..."
 STATE_BYTES = re.compile(r"optimizer state ([0-9.]+) B/param")
@@ -42,10 +42,8 @@ def read_run(label: str, text: str, warmup: int) -> dict:
     if missing:
         raise SystemExit(f"plot_losses: the log of {label!r} has no {', no '.join(missing)}")
     last = max(validation)
-    losses = figures["losses"]
-    tail = [losses[s] for s in sorted(losses)[-max(len(losses) // 10, 1):]]
     return {"label": label, "state_bytes": float(state.group(1)), **figures,
-            "train_loss": sum(tail) / len(tail), "validation": validation,
+            "train_loss": final_train_loss(figures["losses"]), "validation": validation,
             "val_step": last, "val_loss": validation[last]}
 
 

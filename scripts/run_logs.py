@@ -3,6 +3,7 @@
 - :func:`step_losses`: the loss of every training step, as printed (compared exactly by
   the tests, ``tools/resume_check.sh`` and ``scripts/convergence.py``);
   :func:`validation_losses`: the validation loss of every validated step;
+  :func:`final_train_loss`: a run's training loss at its end, as the reports compare it;
 - :func:`parse_log`: torchtitan's per-step metrics line (``step: N  loss: L  grad_norm: G
   memory: X GiB(Y%)  tps: T ...``, from ``torchtitan/components/metrics.py``), per rank;
 - :func:`summarize`: steady-state figures of a run (``scripts/scale_runs.py``,
@@ -43,6 +44,13 @@ def step_losses(text: str) -> dict[int, str]:
 def validation_losses(text: str) -> dict[int, float]:
     """{step: validation loss} for the steps torchtitan validated (colors off)."""
     return {int(step): float(loss) for step, loss in VAL_LOSS.findall(text)}
+
+
+def final_train_loss(losses: dict[int, float]) -> float:
+    """The mean of the last 10% of the logged steps' losses (at least one): one step's loss
+    is one batch's, too noisy to compare runs by."""
+    tail = [losses[s] for s in sorted(losses)[-max(len(losses) // 10, 1):]]
+    return sum(tail) / len(tail)
 
 
 def parse_log(text: str) -> dict[int, dict[int, dict[str, float]]]:
