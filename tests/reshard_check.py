@@ -11,27 +11,11 @@ import tempfile
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.tensor import DTensor
 
 import titan_lowbit.torchtitan  # noqa: F401  (what custom_import does inside the Trainer)
 from torchtitan.config import ConfigManager
 from torchtitan.train import Trainer
-
-
-# Neither gloo nor NCCL gathers int16 (the master_remainder state): such a state travels as
-# bf16 values of the same bits.
-GATHERED_AS = {torch.int16: torch.bfloat16}
-
-
-def full(value):
-    if not isinstance(value, DTensor):
-        return value
-    wire = GATHERED_AS.get(value.dtype)
-    if wire is None:
-        return value.full_tensor()
-    as_wire = DTensor.from_local(value.to_local().view(wire), value.device_mesh, value.placements,
-                                 run_check=False, shape=value.shape, stride=value.stride())
-    return as_wire.full_tensor().view(value.dtype)
+from whole_tensors import whole  # tests/whole_tensors.py, beside this script
 
 
 def main(checkpoint_dir: str, step: int, argv: list[str]) -> None:
@@ -41,7 +25,7 @@ def main(checkpoint_dir: str, step: int, argv: list[str]) -> None:
     live = {"model": trainer.checkpointer.states["model"].state_dict(),
             "optimizer": trainer.optimizers.state_dict()}
     # Gather on every rank (collectives), compare on rank 0 against the checkpoint.
-    gathered = {part: {k: full(v) for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    gathered = {part: {k: whole(v) for k, v in sd.items() if isinstance(v, torch.Tensor)}
                 for part, sd in live.items()}
     if dist.get_rank() == 0:
         with tempfile.TemporaryDirectory() as tmp:

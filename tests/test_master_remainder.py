@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from conftest import run_on_gloo
+from whole_tensors import whole
 from titan_lowbit.kernels import adamw_lowbit as K
 from titan_lowbit.kernels import adamw_lowbit_ref as R
 from titan_lowbit.kernels import optim_jit as J
@@ -193,24 +194,8 @@ SHAPES = [(3, 300), (64, 128), (5, 33), (7,)]  # the last two below min_quantize
 KW = dict(lr=1e-2, weight_decay=0.1, min_quantized_numel=500)
 
 
-def _full(v):
-    """The whole tensor of a DTensor state (int16 and fp8 codes gathered as int32: gloo has
-    no collectives of those types), a plain tensor as it is."""
-    if not hasattr(v, "full_tensor"):
-        return v.detach()
-    if v.dtype in (torch.int16, torch.float8_e4m3fn):
-        from torch.distributed.tensor import DTensor
-
-        local = v._local_tensor
-        local = local.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else local
-        wide = DTensor.from_local(local.to(torch.int32), v.device_mesh, v.placements,
-                                  shape=v.shape, stride=v.stride()).full_tensor()
-        return wide.to(torch.int16) if v.dtype == torch.int16 else wide.to(torch.uint8).view(v.dtype)
-    return v.full_tensor()
-
-
 def _state_bits(v):
-    v = _full(v)
+    v = whole(v)
     return v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v
 
 
@@ -224,8 +209,8 @@ def assert_same_as_master(opt_m, opt_r, params_m, params_r):
             if k not in ("master", "step"):
                 assert torch.equal(_state_bits(sm[k]), _state_bits(sr[k])), k
         assert float(sm["step"]) == float(sr["step"])
-        master, wm, wr = _full(sm["master"]), _full(pm), _full(pr)
-        assert torch.equal(_bits32(R.master_rebuild(wr, _full(sr["master_remainder"]))), _bits32(master))
+        master, wm, wr = whole(sm["master"]), whole(pm), whole(pr)
+        assert torch.equal(_bits32(R.master_rebuild(wr, whole(sr["master_remainder"]))), _bits32(master))
         assert torch.equal(_bits16(wr), _bits16(R.bf16_away(master)))
         assert torch.equal(_bits16(wm), _bits16(wr))
 
