@@ -4,11 +4,15 @@
 Runs one short pretraining per variant through ``scripts/train.sh`` (the real torchtitan
 Trainer; llama3 debug model by default, on the offline corpus), with the same seed and
 data order for all, at a normal learning rate and at lr 1e-5 (where BF16 weights with
-round-to-nearest stall), and writes:
+round-to-nearest stall), and writes, into ``--out``:
 
-- ``docs/convergence.md``: final train loss (mean of the last 10% of steps) and
+- ``convergence_debug.md``: final train loss (mean of the last 10% of steps) and
   validation loss per variant, with the gap to fp32 AdamW and the command line;
-- ``docs/convergence.png``: the training-loss curves (needs matplotlib).
+- ``convergence_debug.json``: every run's final figures;
+- ``convergence_debug.png``: the training-loss curves (needs matplotlib).
+
+Its own files only: ``docs/convergence.md`` (written by hand) explains these tables and
+links to them.
 
 Usage: ``python scripts/convergence.py [--steps 300] [--lrs 3e-3,1e-5] [--seeds 0,1,2]
 [--jobs 4] [--out docs]``. ``--seeds`` repeats every run with each model seed
@@ -32,6 +36,8 @@ from pathlib import Path
 from run_logs import final_train_loss, step_losses, validation_losses  # scripts/run_logs.py, beside this file
 
 ROOT = Path(__file__).resolve().parents[1]
+# The report's file names in --out: REPORT.md, REPORT.json, REPORT.png.
+REPORT = "convergence_debug"
 # (label, optimizer name, [lowbit] weight_dtype, [lowbit] weight_update)
 VARIANTS = [
     ("fp32 AdamW (torch)", "AdamW", "auto", "nearest"),
@@ -122,11 +128,12 @@ def _split_run_dir(dirname: str) -> tuple[str, int | None, str, str, str]:
 
 def write_report(results: dict, lrs: list[float], steps: int, argv: list[str], out: Path) -> None:
     lines = [
-        "# Convergence: state formats and BF16 weight updates", "",
+        "# Convergence of the llama3 debug model: state formats and BF16 weight updates", "",
         f"Measured {datetime.date.today()} with `python scripts/convergence.py {' '.join(argv)}`",
-        f"({platform.node() or 'host'}; {env_versions()}). Each row is one run of "
+        f"({env_versions()}). Each row is one run of "
         f"`scripts/train.sh` ({steps} steps, same seed and data order); final train loss is the "
-        "mean of the last 10% of steps, validation loss is on the held-out split at the end.", "",
+        "mean of the last 10% of steps, validation loss is on the held-out split at the end. "
+        "What the runs were and what they show: [convergence.md](convergence.md).", "",
     ]
     for lr in lrs:
         seeds = sorted({seed for r_lr, _, seed in results if r_lr == lr},
@@ -155,9 +162,9 @@ def write_report(results: dict, lrs: list[float], steps: int, argv: list[str], o
                 row += " " + ", ".join(f"{g:+.2f}%" for g in gaps) + " |"
             lines.append(row)
         lines.append("")
-    lines.append("![training loss curves](convergence.png)")
-    (out / "convergence.md").write_text("\n".join(lines) + "\n")
-    (out / "convergence.json").write_text(json.dumps(
+    lines.append(f"![training loss curves]({REPORT}.png)")
+    (out / f"{REPORT}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{REPORT}.json").write_text(json.dumps(
         {_key_str(*key): {k: v for k, v in r.items() if k != "train"}
          for key, r in results.items()}, indent=2) + "\n")
 
@@ -167,7 +174,7 @@ def plot(results: dict, lrs: list[float], out: Path) -> None:
         import matplotlib
     except ImportError:
         raise SystemExit("convergence.py: the PNG needs matplotlib: pip install -e '.[bench]' "
-                         f"(the table is written to {out / 'convergence.md'})") from None
+                         f"(the table is written to {out / f'{REPORT}.md'})") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -190,7 +197,7 @@ def plot(results: dict, lrs: list[float], out: Path) -> None:
         ax.set_ylabel("training loss")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "convergence.png", dpi=110)
+    fig.savefig(out / f"{REPORT}.png", dpi=110)
 
 
 def env_versions() -> str:
@@ -233,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         write_report(results, lrs, args.steps, argv, args.out)
         plot(results, lrs, args.out)
-        print((args.out / "convergence.md").read_text())
+        print((args.out / f"{REPORT}.md").read_text())
         return 0
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: give at least 1")
@@ -265,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                 {_key_str(*k): v for k, v in results.items()}) + "\n")
     write_report(results, lrs, args.steps, argv, args.out)
     plot(results, lrs, args.out)
-    print((args.out / "convergence.md").read_text())
+    print((args.out / f"{REPORT}.md").read_text())
     return 0
 
 

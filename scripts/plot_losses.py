@@ -9,7 +9,8 @@ as the mean of the last 10% of the logged steps (one step's loss is one batch's,
 to compare), the validation loss of the last validated step, and its gap to the
 ``--baseline`` run's. ``--png`` draws the training-loss curves, and beside them the
 validation curves when the runs validated more than once (needs matplotlib:
-``pip install -e '.[bench]'``).
+``pip install -e '.[bench]'``); ``--val-from`` starts those at a later step, so that a first
+validation of the untrained model does not squeeze the runs' ends into one line.
 
     python3 scripts/plot_losses.py --baseline Muon --png docs/muon_1b.png \\
         Muon=logs/muon.log Muon8bit=logs/muon8.log "AdamW (torch)=logs/adamw.log"
@@ -63,7 +64,24 @@ def table(rows: list[dict], baseline: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], png: Path, title: str) -> None:
+def curves(rows: list[dict], val_from: int = 0) -> list[tuple[str, dict[str, dict[int, float]]]]:
+    """The panels to draw: (y label, {run label: {step: loss}}), the training losses and,
+    when the runs validated more than once, their validation losses from step
+    ``val_from`` on. Exits when that leaves no validation point of some run to draw."""
+    panels = [("training loss", {r["label"]: r["losses"] for r in rows})]
+    if any(len(r["validation"]) > 1 for r in rows):
+        validation = {r["label"]: {s: v for s, v in r["validation"].items() if s >= val_from}
+                      for r in rows}
+        if empty := [label for label, points in validation.items() if not points]:
+            raise SystemExit(f"plot_losses: --val-from {val_from}: {empty} validated last before "
+                             "that step; give a step at or before a run's last validation")
+        panels.append((f"validation loss (from step {val_from})" if val_from else "validation loss",
+                       validation))
+    return panels
+
+
+def plot(rows: list[dict], png: Path, title: str, val_from: int = 0) -> None:
+    panels = curves(rows, val_from)
     try:
         import matplotlib
     except ImportError:
@@ -71,15 +89,12 @@ def plot(rows: list[dict], png: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curves = [("training loss", "losses")]
-    if any(len(r["validation"]) > 1 for r in rows):
-        curves.append(("validation loss", "validation"))
-    fig, axes = plt.subplots(1, len(curves), figsize=(8 * len(curves), 5), squeeze=False)
-    for ax, (what, key) in zip(axes[0], curves):
-        for r in rows:
-            steps = sorted(r[key])
-            ax.plot(steps, [r[key][s] for s in steps], label=r["label"], linewidth=1.2,
-                    marker="o" if key == "validation" else None, markersize=3)
+    fig, axes = plt.subplots(1, len(panels), figsize=(8 * len(panels), 5), squeeze=False)
+    for ax, (what, runs) in zip(axes[0], panels):
+        for label, points in runs.items():
+            steps = sorted(points)
+            ax.plot(steps, [points[s] for s in steps], label=label, linewidth=1.2,
+                    marker="o" if what.startswith("validation") else None, markersize=3)
         ax.set_xlabel("step")
         ax.set_ylabel(what)
         ax.grid(alpha=0.3)
@@ -98,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="logged steps left out of the tokens/s median (default 2)")
     parser.add_argument("--png", type=Path, help="write the training-loss curves here")
     parser.add_argument("--title", default="", help="the figure's title")
+    parser.add_argument("--val-from", type=int, default=0,
+                        help="draw the validation curves from this step on (default: all)")
     args = parser.parse_args(argv)
     rows = []
     for run in args.runs:
@@ -107,12 +124,14 @@ def main(argv: list[str] | None = None) -> int:
         if not Path(log).is_file():
             parser.error(f"{run!r}: no file {log}")
         rows.append(read_run(label, Path(log).read_text(errors="replace"), args.warmup))
+    if args.val_from and not args.png:
+        parser.error("--val-from draws the validation curves of --png; give --png too")
     baseline = args.baseline or rows[0]["label"]
     if baseline not in [r["label"] for r in rows]:
         parser.error(f"--baseline {baseline!r} is none of the runs' labels: {[r['label'] for r in rows]}")
     print(table(rows, baseline), end="")
     if args.png:
-        plot(rows, args.png, args.title)
+        plot(rows, args.png, args.title, args.val_from)
     return 0
 
 

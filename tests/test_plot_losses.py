@@ -75,3 +75,30 @@ def test_png_holds_the_curves_or_the_error_names_matplotlib(tmp_path):
     else:
         assert proc.returncode == 0, proc.stderr
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_validation_curves_start_at_val_from_and_training_curves_stay_whole():
+    from plot_losses import curves  # scripts/plot_losses.py (conftest puts scripts/ on the path)
+
+    rows = [{"label": "AdamW", "losses": {1: 10.0, 2: 6.0, 3: 5.0}, "validation": {1: 10.8, 2: 4.0, 3: 3.5}},
+            {"label": "8bit", "losses": {1: 10.0, 2: 6.1, 3: 5.1}, "validation": {1: 10.8, 2: 4.1, 3: 3.6}}]
+    (train_label, train), (val_label, val) = curves(rows, val_from=2)
+    assert train == {"AdamW": {1: 10.0, 2: 6.0, 3: 5.0}, "8bit": {1: 10.0, 2: 6.1, 3: 5.1}}
+    assert val == {"AdamW": {2: 4.0, 3: 3.5}, "8bit": {2: 4.1, 3: 3.6}}
+    assert (train_label, val_label) == ("training loss", "validation loss (from step 2)")
+    assert curves(rows)[1] == ("validation loss", {r["label"]: r["validation"] for r in rows})
+
+
+def test_val_from_is_refused_past_the_last_validation_or_without_png(tmp_path):
+    runs = {"AdamW": _log("AdamW", "8.000", [10.0, 6.0], [1000, 2000], 27.05, 3.6582)}
+    proc = _run(tmp_path, runs, "--val-from", "1")
+    assert proc.returncode != 0 and "--val-from draws the validation curves of --png" in proc.stderr
+    from plot_losses import curves
+
+    rows = [{"label": "AdamW", "losses": {1: 10.0, 2: 6.0}, "validation": {1: 10.8, 2: 4.0}}]
+    try:
+        curves(rows, val_from=3)
+    except SystemExit as e:
+        assert "--val-from 3: ['AdamW'] validated last before that step" in str(e)
+    else:
+        raise AssertionError("curves() drew an empty validation curve")
