@@ -713,14 +713,22 @@ def test_debug_config_trains_with_8bit_adamw_and_8bit_muon_states_at_once(straig
     assert not noise, noise  # the CPU path prints none of the warnings that are wrong there
 
 
+def resumed_from(dump, step, *args, folder=None, **kwargs):
+    """``train_run`` in a fresh dump folder (``folder``, else ``dump``'s name + ``-resumed``
+    beside it) whose only checkpoint is ``dump``'s step ``step`` (linked), so the run resumes
+    from it."""
+    folder = folder or dump.parent / f"{dump.name}-resumed"
+    (folder / "checkpoint").mkdir(parents=True)
+    os.symlink(dump / "checkpoint" / f"step-{step}", folder / "checkpoint" / f"step-{step}")
+    log = train_run(folder, *args, **kwargs)
+    assert f"Training starts at step {step + 1}" in log, log[-3000:]
+    return folder, log
+
+
 @pytest.mark.trainer
 def test_resume_from_step_4_ends_bit_for_bit_where_the_straight_run_ends(straight_run, tmp_path):
     dump, log = straight_run
-    resumed = tmp_path / "resumed"
-    (resumed / "checkpoint").mkdir(parents=True)
-    os.symlink(dump / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
-    resumed_log = train_run(resumed, *CHECKPOINT, *MIXED_OPTIMIZERS)
-    assert "Training starts at step 5" in resumed_log
+    resumed, resumed_log = resumed_from(dump, 4, *CHECKPOINT, *MIXED_OPTIMIZERS, folder=tmp_path / "resumed")
     # the checkpoint keeps the LR schedule's settings; the same ones resume without a word
     settings = json.loads((dump / "checkpoint" / "step-4" / SCHEDULE_FILE).read_text())
     assert settings["training.steps"] == 8 and "lr_scheduler.warmup_steps" in settings, settings
@@ -746,14 +754,12 @@ def test_two_process_checkpoint_continues_on_one_process_compiled(straight_run, 
     Compiled, it resumes bit for bit too: from its step-5 checkpoint, step 6 ends where it
     ended, every model and optimizer tensor equal."""
     dump, log = straight_run
-    resumed = tmp_path / "one"
-    (resumed / "checkpoint").mkdir(parents=True)
-    os.symlink(dump / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
     compiled = ["--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.no-last_save_model_only",
                 "--compile.enable", *MIXED_OPTIMIZERS]
-    one_log = train_run(resumed, "--checkpoint.exclude_from_loading", "dataloader", *compiled, nproc=1, steps=6)
+    resumed, one_log = resumed_from(dump, 4, "--checkpoint.exclude_from_loading", "dataloader", *compiled,
+                                    folder=tmp_path / "one", nproc=1, steps=6)
     losses, straight = step_losses(one_log), step_losses(log)
-    assert "Training starts at step 5" in one_log and sorted(losses) == [5, 6]
+    assert sorted(losses) == [5, 6]
     assert "Compiling each TransformerBlock with torch.compile" in one_log, one_log[-3000:]
     assert "Compiling the loss function with torch.compile" in one_log, one_log[-3000:]
     # The trained state was loaded: a fresh model starts near the straight run's step-1 loss
@@ -828,10 +834,7 @@ def test_bitnet_trains_and_resumes_bit_for_bit(tmp_path, prepared_data):
 
     (count,) = set(re.findall(r"BitNet linears (\d+)", straight))
     assert int(count) == 6 * 5  # debug model: 6 layers x (fused wqkv, wo, w1, w2, w3)
-    resumed = tmp_path / "b"
-    (resumed / "checkpoint").mkdir(parents=True)
-    os.symlink(tmp_path / "a" / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
-    again = train_run(resumed, *CHECKPOINT, config="llama3_debug_bitnet")
+    _, again = resumed_from(tmp_path / "a", 4, *CHECKPOINT, config="llama3_debug_bitnet", folder=tmp_path / "b")
     a, b = step_losses(straight), step_losses(again)
     assert float(a[8]) < float(a[1]) - 0.3, a
     assert {s: b[s] for s in range(5, 9)} == {s: a[s] for s in range(5, 9)}
@@ -843,17 +846,6 @@ def test_bitnet_trains_and_resumes_bit_for_bit(tmp_path, prepared_data):
 # Smaller steps than the 2-process runs' (each rank's share of a 4-process run costs as
 # much CPU as a 2-process rank's): 2 sequences of 128 tokens per rank.
 SMALL_STEPS = ["--training.local_batch_size", "2", "--training.seq_len", "128"]
-
-
-def resumed_from(dump, step, *args, **kwargs):
-    """``train_run`` in a fresh dump folder whose only checkpoint is ``dump``'s step ``step``
-    (linked), so the run resumes from it."""
-    folder = dump.parent / f"{dump.name}-resumed"
-    (folder / "checkpoint").mkdir(parents=True)
-    os.symlink(dump / "checkpoint" / f"step-{step}", folder / "checkpoint" / f"step-{step}")
-    log = train_run(folder, *args, **kwargs)
-    assert f"Training starts at step {step + 1}" in log, log[-3000:]
-    return folder, log
 
 
 def hf_export_as_torchtitan(folder, config):
