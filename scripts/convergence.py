@@ -126,11 +126,19 @@ def _split_run_dir(dirname: str) -> tuple[str, int | None, str, str, str]:
     return head, None, name, dtype, update
 
 
-def write_report(results: dict, lrs: list[float], steps: int, argv: list[str], out: Path) -> None:
+def write_report(results: dict, lrs: list[float], steps: int, argv: list[str], out: Path,
+                 ran_here: bool) -> None:
+    """``ran_here``: the runs ran in this invocation, so this machine's device and versions
+    are theirs; a report of earlier runs (``--from-json``, ``--from-dump``) names none, as
+    the saved runs do not record where they ran."""
+    where = (f"Measured {datetime.date.today()} with `python scripts/convergence.py {' '.join(argv)}`"
+             f"\n({env_versions()}). ") if ran_here else (
+        f"Reported {datetime.date.today()} from earlier runs with "
+        f"`python scripts/convergence.py {' '.join(argv)}` (the runs' device and versions are "
+        "not in their saved results). ")
     lines = [
         "# Convergence of the llama3 debug model: state formats and BF16 weight updates", "",
-        f"Measured {datetime.date.today()} with `python scripts/convergence.py {' '.join(argv)}`",
-        f"({env_versions()}). Each row is one run of "
+        where + "Each row is one run of "
         f"`scripts/train.sh` ({steps} steps, same seed and data order); final train loss is the "
         "mean of the last 10% of steps, validation loss is on the held-out split at the end. "
         "What the runs were and what they show: [convergence.md](convergence.md).", "",
@@ -238,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         results = load_saved(args.from_json, args.from_dump, args.steps)
         lrs = sorted({lr for lr, _, _ in results}, reverse=True)
         args.out.mkdir(parents=True, exist_ok=True)
-        write_report(results, lrs, args.steps, argv, args.out)
+        write_report(results, lrs, args.steps, argv, args.out, ran_here=False)
         plot(results, lrs, args.out)
         print((args.out / f"{REPORT}.md").read_text())
         return 0
@@ -270,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"val {r['final_val']:.4f} ({r['seconds']:.0f} s)", flush=True)
             (args.out / "convergence_runs.json").write_text(json.dumps(
                 {_key_str(*k): v for k, v in results.items()}) + "\n")
-    write_report(results, lrs, args.steps, argv, args.out)
+    write_report(results, lrs, args.steps, argv, args.out, ran_here=True)
     plot(results, lrs, args.out)
     print((args.out / f"{REPORT}.md").read_text())
     return 0

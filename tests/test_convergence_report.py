@@ -28,7 +28,7 @@ PAGE = "# Convergence\n\nWritten by hand: the report must leave it as it is.\n"
 def _report(out, *args) -> tuple[str, dict]:
     """convergence_debug.md and convergence_debug.json of a report from earlier runs,
     written into a folder that holds a hand-written convergence.md, which stays as it
-    was. Without matplotlib the script writes both and then stops, naming it, instead of
+    was; the report does not name this machine as the one that ran them. Without matplotlib the script writes both and then stops, naming it, instead of
     the PNG."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "convergence.md").write_text(PAGE)
@@ -37,7 +37,11 @@ def _report(out, *args) -> tuple[str, dict]:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 or "needs matplotlib" in proc.stderr, proc.stderr[-3000:]
     assert (out / "convergence.md").read_text() == PAGE
-    return (out / "convergence_debug.md").read_text(), json.loads((out / "convergence_debug.json").read_text())
+    text = (out / "convergence_debug.md").read_text()
+    # Earlier runs: the report names no device or versions, which would be this machine's.
+    header = text.split("## ")[0]
+    assert "from earlier runs" in header and "torch " not in header and "Measured" not in header, header
+    return text, json.loads((out / "convergence_debug.json").read_text())
 
 
 def test_report_gives_each_seed_gap_and_their_mean(tmp_path):
