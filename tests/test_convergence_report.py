@@ -28,8 +28,8 @@ PAGE = "# Convergence\n\nWritten by hand: the report must leave it as it is.\n"
 def _report(out, *args) -> tuple[str, dict]:
     """convergence_debug.md and convergence_debug.json of a report from earlier runs,
     written into a folder that holds a hand-written convergence.md, which stays as it
-    was; the report does not name this machine as the one that ran them. Without matplotlib the script writes both and then stops, naming it, instead of
-    the PNG."""
+    was; the report does not name this machine as the one that ran them. Without
+    matplotlib the script writes both and then stops, naming it, instead of the PNG."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "convergence.md").write_text(PAGE)
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "convergence.py"),

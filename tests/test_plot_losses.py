@@ -2,8 +2,11 @@
 (state bytes from titan_lowbit's summary line, peak memory, median tokens/s, the last
 validation loss and its gap), and the refusals that keep a comparison honest."""
 
+import re
 import subprocess
 import sys
+
+import pytest
 
 from conftest import ROOT
 
@@ -96,9 +99,5 @@ def test_val_from_is_refused_past_the_last_validation_or_without_png(tmp_path):
     from plot_losses import curves
 
     rows = [{"label": "AdamW", "losses": {1: 10.0, 2: 6.0}, "validation": {1: 10.8, 2: 4.0}}]
-    try:
+    with pytest.raises(SystemExit, match=re.escape("--val-from 3: ['AdamW'] validated last before that step")):
         curves(rows, val_from=3)
-    except SystemExit as e:
-        assert "--val-from 3: ['AdamW'] validated last before that step" in str(e)
-    else:
-        raise AssertionError("curves() drew an empty validation curve")
