@@ -77,11 +77,10 @@ from .adamw_interface import (  # noqa: F401  (the kernel's interface, re-export
     hyper_scalars,
 )
 from .quant_maps import (
-    CODEC_DYN4_SIGNED,
-    CODEC_LIN4_NOZERO,
     CODEC_NONE,
     DYN_MAGNITUDE_BITS,
     ENC_WINDOW,
+    PACKED_4BIT_CODECS,
     TABLE_LUT,
     TABLE_MID,
     codec_tables,
@@ -91,8 +90,6 @@ from .quant_maps import (
 from .loops import kernel_range
 from .optim_jit import (
     ENC_WORDS_MAX,
-    _K_CODEC_DYN4_SIGNED,
-    _K_CODEC_LIN4_NOZERO,
     _K_ENC_ROW,
     _K_TABLE_SIZE,
     _K_UPDATE_STOCHASTIC,
@@ -106,6 +103,7 @@ from .optim_jit import (
     _load_weight,
     _smem_tables_store,
     _store_state,
+    is_packed,
 )
 
 
@@ -319,7 +317,7 @@ def _adamw_lowbit_kernel(
     # alignment) + per-tensor element offset from the metadata table (+ hint when ALIGNED):
     # that is what lets Triton emit 16-byte vector loads for tensors it only sees through a
     # table. EVEN launches hold only whole tiles of whole blocks: no masks at all.
-    PACKED: tl.constexpr = M_CODEC == _K_CODEC_DYN4_SIGNED or M_CODEC == _K_CODEC_LIN4_NOZERO
+    PACKED: tl.constexpr = is_packed(M_CODEC)
     CBLOCK: tl.constexpr = QBLOCK // 2 if PACKED else QBLOCK
     t0 = tl.program_id(0) * tiles
     t_end = tl.minimum(t0 + tiles, n_tiles)
@@ -413,7 +411,7 @@ def smem_image(m_codec: int, v_codec: int, tile_elems: int, device: str) -> torc
 
 def code_row_elems(cfg: AdamWConfig, cols: int) -> int:
     """Elements (or bytes, for codes) per row of a moment's storage."""
-    if cfg.m_codec in (CODEC_DYN4_SIGNED, CODEC_LIN4_NOZERO):
+    if cfg.m_codec in PACKED_4BIT_CODECS:
         return (cols + 1) // 2
     return cols
 
@@ -512,7 +510,7 @@ class FusedAdamW:
     def is_even(cfg: AdamWConfig, t: AdamWTensor, nb: int) -> bool:
         """Whether a tensor splits into whole tiles of whole blocks (no masking needed)."""
         nblocks = t.rows * -(-t.cols // cfg.block)
-        packed_even = cfg.m_codec not in (CODEC_DYN4_SIGNED, CODEC_LIN4_NOZERO) or t.cols % 2 == 0
+        packed_even = cfg.m_codec not in PACKED_4BIT_CODECS or t.cols % 2 == 0
         return t.cols % cfg.block == 0 and nblocks % nb == 0 and packed_even
 
     @classmethod

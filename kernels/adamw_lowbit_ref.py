@@ -33,11 +33,15 @@ from .quant_maps import (
     CODEC_DYN8_UNSIGNED,
     CODEC_FP8_E4M3,
     CODEC_LIN4_NOZERO,
+    CODEC_NF4_SIGNED,
     CODEC_NONE,
     GOLDEN32,
     MASK32,
     MIX_C1,
     MIX_C2,
+    NF4_LEVELS,
+    NF4_NEGATIVE,
+    PACKED_4BIT_CODECS,
     TABLE_LUT,
     TABLE_MID,
     codec_tables,
@@ -46,7 +50,6 @@ from .quant_maps import (
 )
 
 _DYN = {CODEC_DYN8_SIGNED: (7, True), CODEC_DYN8_UNSIGNED: (8, False), CODEC_DYN4_SIGNED: (3, True)}
-PACKED_4BIT = (CODEC_DYN4_SIGNED, CODEC_LIN4_NOZERO)
 
 
 def _f32(x: float, device) -> torch.Tensor:
@@ -163,8 +166,22 @@ def _dyn_encode(x: torch.Tensor, codec: int, M: int, signed: bool) -> torch.Tens
     return p
 
 
-def _dyn_decode(code: torch.Tensor, codec: int) -> torch.Tensor:
+def _lut_decode(code: torch.Tensor, codec: int) -> torch.Tensor:
+    """Values of codes read from the codec's value table (the dynamic-tree codecs and
+    NormalFloat4)."""
     return codec_tables(str(code.device))[codec][TABLE_LUT + code.to(torch.int64)]
+
+
+def _nf4_encode(x: torch.Tensor) -> torch.Tensor:
+    """NormalFloat4 codes of x in [-1, 1] (twin of the kernel's): the number n of the 15
+    thresholds below x, counted one compare at a time, is the rank of x's nearest level
+    (ties toward 0, quant_maps.nf4_thresholds); its code is (n - NF4_NEGATIVE) & 15. A nan
+    compares below every threshold (the code of -1; its block's absmax is nan too)."""
+    thr = codec_tables(str(x.device))[CODEC_NF4_SIGNED][TABLE_MID:TABLE_MID + NF4_LEVELS - 1]
+    n = torch.zeros(x.shape, dtype=torch.int32, device=x.device)
+    for t in thr:
+        n += (x > t).to(torch.int32)
+    return (n - NF4_NEGATIVE) & (NF4_LEVELS - 1)
 
 
 def _lin4_encode(v: torch.Tensor, inv16: "torch.Tensor | float" = 16.0) -> torch.Tensor:
@@ -197,6 +214,8 @@ def encode(x: torch.Tensor, codec: int) -> torch.Tensor:
         return _lin4_encode(x)
     if codec == CODEC_FP8_E4M3:
         return _fp8_encode(x)
+    if codec == CODEC_NF4_SIGNED:
+        return _nf4_encode(x)
     M, signed = _DYN[codec]
     return _dyn_encode(x, codec, M, signed)
 
@@ -207,7 +226,7 @@ def decode(code: torch.Tensor, codec: int) -> torch.Tensor:
         return _lin4_decode(code)
     if codec == CODEC_FP8_E4M3:
         return _fp8_decode(code)
-    return _dyn_decode(code, codec)
+    return _lut_decode(code, codec)
 
 
 # ---------------------------------------------------------------------------------------
@@ -239,7 +258,7 @@ def quantize_blockwise(x: torch.Tensor, codec: int, block: int,
         if zero_free and codec == CODEC_FP8_E4M3:
             codes = torch.maximum(codes, (xb > 0).to(codes.dtype))  # SMALLEST_POSITIVE_CODE
         codes = codes.view(rows, bpr * block)
-    if codec in PACKED_4BIT:
+    if codec in PACKED_4BIT_CODECS:
         nbytes = (cols + 1) // 2
         pairs = codes[:, : 2 * nbytes].view(rows, nbytes, 2)
         packed = pairs[..., 0] | (pairs[..., 1] << 4)
@@ -251,7 +270,7 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, codec: int, 
                          cols: int) -> torch.Tensor:
     """Inverse of ``quantize_blockwise``: fp32 ``[rows, cols]``."""
     c = codes.to(torch.int32)
-    if codec in PACKED_4BIT:
+    if codec in PACKED_4BIT_CODECS:
         c = torch.stack([c & 15, c >> 4], dim=-1).view(c.shape[0], -1)
     c = c[:, :cols]
     scale = absmax.repeat_interleave(block, dim=1)[:, :cols]
@@ -301,7 +320,7 @@ def _store_moment(cfg: AdamWConfig, t: AdamWTensor, state: torch.Tensor, scale: 
         return
     codes, absmax = quantize_blockwise(x, codec, cfg.block, zero_free)
     codes = codes.reshape(t.rows, -1)
-    per_block = cfg.block // 2 if codec in PACKED_4BIT else cfg.block
+    per_block = cfg.block // 2 if codec in PACKED_4BIT_CODECS else cfg.block
     _write(state, codes, None if keep is None else _block_cols(keep, codes.shape[1], per_block))
     _write(scale, absmax, keep)
 

@@ -58,8 +58,6 @@ from .health_ref import (
 )
 from .loops import kernel_range
 from .optim_jit import (
-    _K_CODEC_DYN4_SIGNED,
-    _K_CODEC_LIN4_NOZERO,
     _K_CODEC_NONE,
     _K_TABLE_SIZE,
     _K_UPDATE_KAHAN,
@@ -73,8 +71,9 @@ from .optim_jit import (
     _max_nan,
     _unpacked_codes,
     _widen,
+    is_packed,
 )
-from .quant_maps import CODEC_DYN4_SIGNED, CODEC_LIN4_NOZERO, CODEC_NONE, codec_tables
+from .quant_maps import CODEC_NONE, PACKED_4BIT_CODECS, codec_tables
 
 # Tiles (of launch_shape's elements) one program reads: fewer partial rows, and per
 # program the fixed cost of its setup spread over more elements.
@@ -110,7 +109,7 @@ def _health_tile(t, p_ptr, x_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, tab_m, tab_v, co
                  HW_CAST: tl.constexpr, QBLOCK: tl.constexpr, NB: tl.constexpr):
     """The partial numbers of tile ``t``: (max |u|, v codes at the smallest code, updates
     lost, sum of residual / ulp), each 0 where its flag is off."""
-    PACKED: tl.constexpr = M_CODEC == _K_CODEC_DYN4_SIGNED or M_CODEC == _K_CODEC_LIN4_NOZERO
+    PACKED: tl.constexpr = is_packed(M_CODEC)
     CBLOCK: tl.constexpr = QBLOCK // 2 if PACKED else QBLOCK
     bidx = t * NB + tl.arange(0, NB)
     _, eoff, coff, bmask, emask, cmask = _block_offsets(bidx, nblocks, cols, code_row, bpr, QBLOCK, CBLOCK,
@@ -197,7 +196,7 @@ def _tiling(rows: int, cols: int, block: int, codec: int, elems: int) -> tuple:
     if rows * cols >= 2**31:
         raise ValueError(f"a {rows}x{cols} tensor (local shard) has 2**31 or more elements, past the health "
                          "kernel's int32 offsets (as the fused step's)")
-    packed = codec in (CODEC_DYN4_SIGNED, CODEC_LIN4_NOZERO)
+    packed = codec in PACKED_4BIT_CODECS
     code_row = (cols + 1) // 2 if packed else cols
     bpr = -(-cols // block)
     nblocks = rows * bpr

@@ -31,8 +31,8 @@ from .adamw_interface import (
     AdamWTensor,
     hyper_scalars,
 )
-from .adamw_lowbit_ref import PACKED_4BIT, _load_moment, bf16_rne, div_rn, sqrt_rn, weight_fp32
-from .quant_maps import CODEC_NONE, code_book
+from .adamw_lowbit_ref import _load_moment, bf16_rne, div_rn, sqrt_rn, weight_fp32
+from .quant_maps import CODEC_NONE, PACKED_4BIT_CODECS, code_book
 
 # Columns of a partial row: the largest |update| / lr (NaN if any is NaN); the number of
 # second-moment codes at their code book's smallest positive value; the number of
@@ -125,7 +125,7 @@ def _row_chunks(t: AdamWTensor, quantized: bool) -> Iterator[AdamWTensor]:
 def _codes(cfg: AdamWConfig, t: AdamWTensor) -> torch.Tensor:
     """The second-moment codes of ``t`` (int32, ``[rows, cols]``; 4-bit unpacked, padding dropped)."""
     c = t.exp_avg_sq.reshape(t.rows, -1).view(torch.uint8).to(torch.int32)
-    if cfg.v_codec in PACKED_4BIT:
+    if cfg.v_codec in PACKED_4BIT_CODECS:
         c = torch.stack([c & 15, c >> 4], dim=-1).view(t.rows, -1)
     return c[:, :t.cols]
 

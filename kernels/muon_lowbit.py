@@ -56,8 +56,6 @@ import triton.language as tl
 from .adamw_lowbit import interpreting
 from .muon_ref import MuonConfig, MuonHyper, MuonTensor, newton_schulz, update_scale
 from .optim_jit import (
-    _K_CODEC_DYN4_SIGNED,
-    _K_CODEC_LIN4_NOZERO,
     _K_CODEC_NONE,
     _K_ENC_ROW,
     _K_TABLE_SIZE,
@@ -72,8 +70,9 @@ from .optim_jit import (
     _load_weight,
     _st,
     _store_state,
+    is_packed,
 )
-from .quant_maps import CODEC_DYN4_SIGNED, CODEC_LIN4_NOZERO, codec_tables, encode_tables, step_key
+from .quant_maps import PACKED_4BIT_CODECS, codec_tables, encode_tables, step_key
 
 # Elements per program and warps of both kernels (the AdamW kernel's shape for quantized
 # states; not tuned for these kernels).
@@ -90,7 +89,7 @@ def _muon_momentum_kernel(g_ptr, m_ptr, ms_ptr, out_ptr, outs_ptr, u_ptr, flag_p
     ms_ptr) and gradient, write the Newton-Schulz input (u_ptr, bf16) and the requantized
     new momentum (out_ptr, outs_ptr: the state itself, or a staging copy); GUARD: flag a
     block whose new momentum is not finite."""
-    PACKED: tl.constexpr = CODEC == _K_CODEC_DYN4_SIGNED or CODEC == _K_CODEC_LIN4_NOZERO
+    PACKED: tl.constexpr = is_packed(CODEC)
     CBLOCK: tl.constexpr = QBLOCK // 2 if PACKED else QBLOCK
     bidx = tl.program_id(0) * NB + tl.arange(0, NB)
     _, eoff, coff, bmask, emask, cmask = _block_offsets(bidx, nblocks, cols, code_row, bpr, QBLOCK, CBLOCK,
@@ -128,7 +127,7 @@ def _muon_weight_kernel(o_ptr, p_ptr, x_ptr, flag_ptr, sm_ptr, sms_ptr, m_ptr, m
     block where p_new is not finite, write nothing. WRITE on: unless GUARD and the flag is
     set, land p_new in the weight (p_ptr) and its extra state (x_ptr); COMMIT: and copy the
     staged new momentum (sm_ptr, sms_ptr) into the state (m_ptr, ms_ptr)."""
-    PACKED: tl.constexpr = CODEC == _K_CODEC_DYN4_SIGNED or CODEC == _K_CODEC_LIN4_NOZERO
+    PACKED: tl.constexpr = is_packed(CODEC)
     CBLOCK: tl.constexpr = QBLOCK // 2 if PACKED else QBLOCK
     bidx = tl.program_id(0) * NB + tl.arange(0, NB)
     _, eoff, coff, bmask, emask, cmask = _block_offsets(bidx, nblocks, cols, code_row, bpr, QBLOCK, CBLOCK,
@@ -202,7 +201,7 @@ def _layout(cfg: MuonConfig, t: MuonTensor, *others: Optional[torch.Tensor]) -> 
     if rows * cols >= 2**31:
         raise ValueError(f"a {rows}x{cols} Muon matrix (local shard) has 2**31 or more elements, past the fused "
                          "kernels' int32 offsets; shard it over more ranks")
-    packed = cfg.codec in (CODEC_DYN4_SIGNED, CODEC_LIN4_NOZERO)
+    packed = cfg.codec in PACKED_4BIT_CODECS
     code_row = (cols + 1) // 2 if packed else cols
     bpr = -(-cols // cfg.block)
     nblocks = rows * bpr

@@ -29,11 +29,15 @@ from .quant_maps import (
     CODEC_DYN8_UNSIGNED,
     CODEC_FP8_E4M3,
     CODEC_LIN4_NOZERO,
+    CODEC_NF4_SIGNED,
     CODEC_NONE,
     DYN_MAGNITUDE_BITS,
     ENC_ROW,
     ENC_WINDOW,
     GOLDEN32,
+    NF4_LEVELS,
+    NF4_NEGATIVE,
+    PACKED_4BIT_CODECS,
     TABLE_LUT,
     TABLE_MID,
     TABLE_SIZE,
@@ -47,6 +51,7 @@ _K_CODEC_DYN8_SIGNED = tl.constexpr(CODEC_DYN8_SIGNED)
 _K_CODEC_DYN8_UNSIGNED = tl.constexpr(CODEC_DYN8_UNSIGNED)
 _K_CODEC_FP8_E4M3 = tl.constexpr(CODEC_FP8_E4M3)
 _K_CODEC_LIN4_NOZERO = tl.constexpr(CODEC_LIN4_NOZERO)
+_K_CODEC_NF4_SIGNED = tl.constexpr(CODEC_NF4_SIGNED)
 _K_CODEC_NONE = tl.constexpr(CODEC_NONE)
 _K_TABLE_SIZE = tl.constexpr(TABLE_SIZE)
 _K_TABLE_LUT = tl.constexpr(TABLE_LUT)
@@ -74,11 +79,21 @@ _K_ENC8U_WINDOW = tl.constexpr(ENC_WINDOW[CODEC_DYN8_UNSIGNED])
 _K_ENC4_SHIFT = tl.constexpr(enc_shift(CODEC_DYN4_SIGNED))
 _K_ENC4_SIZE = tl.constexpr(enc_size(CODEC_DYN4_SIGNED))
 _K_ENC4_WINDOW = tl.constexpr(ENC_WINDOW[CODEC_DYN4_SIGNED])
+_K_NF4_LEVELS = tl.constexpr(NF4_LEVELS)
+_K_NF4_NEGATIVE = tl.constexpr(NF4_NEGATIVE)
 _K_UPDATE_NEAREST = tl.constexpr(UPDATE_NEAREST)
 _K_UPDATE_STOCHASTIC = tl.constexpr(UPDATE_STOCHASTIC)
 _K_UPDATE_KAHAN = tl.constexpr(UPDATE_KAHAN)
 _K_UPDATE_MASTER = tl.constexpr(UPDATE_MASTER)
 _K_UPDATE_MASTER_REMAINDER = tl.constexpr(UPDATE_MASTER_REMAINDER)
+
+
+@triton.constexpr_function
+def is_packed(codec):
+    """Whether ``codec``'s codes are stored two per byte (quant_maps.PACKED_4BIT_CODECS):
+    a compile-time constant in the kernels (``PACKED: tl.constexpr = is_packed(CODEC)``), a
+    plain bool on the host."""
+    return codec in PACKED_4BIT_CODECS
 
 
 # ----------------------------------------------------------------------------------------
@@ -294,6 +309,18 @@ def _dyn_decode(code, tab, M: tl.constexpr, NMAG: tl.constexpr, SIGNED: tl.const
 
 
 @triton.jit
+def _nf4_encode(x, tab):
+    """NormalFloat4 code of x in [-1, 1]: the number n of the codec's 15 thresholds (at
+    MID of its table, ascending) below x is the rank of x's nearest level, ties toward 0
+    (quant_maps.nf4_thresholds); the code is (n - NF4_NEGATIVE) & 15. 15 compares against
+    scalars read once per tile, no table lookup per element."""
+    n = tl.zeros(x.shape, tl.int32)
+    for j in tl.static_range(_K_NF4_LEVELS - 1):
+        n += (x > tl.load(tab + _K_TABLE_MID + j)).to(tl.int32)
+    return (n - _K_NF4_NEGATIVE) & (_K_NF4_LEVELS - 1)
+
+
+@triton.jit
 def _lin4_encode(v, inv16):
     """Code of v >= 0 (the second moment) in a block with 16 / absmax = inv16: the nearest
     (j + 1) / 16 to v / absmax, ties down, is trunc(v * inv16 - 0.5). v * inv16 lies in
@@ -358,6 +385,9 @@ def _decode(code, absmax, tab, CODEC: tl.constexpr, HW_CAST: tl.constexpr, SMEM:
             val = _dyn_decode(code, tab, _K_DYN8S_M, _K_DYN8S_NMAG, True, SMEM)
         elif CODEC == _K_CODEC_DYN8_UNSIGNED:
             val = _dyn_decode(code, tab, _K_DYN8U_M, _K_DYN8U_NMAG, False, SMEM)
+        elif CODEC == _K_CODEC_NF4_SIGNED:
+            # its value table is never in the shared-memory image (SMEM -1: tl.gather)
+            val = _lookup(tab + _K_TABLE_LUT, code.to(tl.int32), _K_NF4_LEVELS, False, -1)
         else:
             val = _dyn_decode(code, tab, _K_DYN4_M, _K_DYN4_NMAG, True, SMEM)
         out = val * absmax[:, None]
@@ -379,6 +409,8 @@ def _encode(x, inv, tab, etab, CODEC: tl.constexpr, HW_CAST: tl.constexpr, SMEM:
         elif CODEC == _K_CODEC_DYN8_UNSIGNED:
             codes = _dyn_encode(xn, tab, etab, _K_DYN8U_M, _K_DYN8U_NMAG, False,
                                 _K_ENC8U_SHIFT, _K_ENC8U_SIZE, _K_ENC8U_WINDOW, SMEM)
+        elif CODEC == _K_CODEC_NF4_SIGNED:
+            codes = _nf4_encode(xn, tab)
         else:
             codes = _dyn_encode(xn, tab, etab, _K_DYN4_M, _K_DYN4_NMAG, True,
                                 _K_ENC4_SHIFT, _K_ENC4_SIZE, _K_ENC4_WINDOW, SMEM)
@@ -446,7 +478,7 @@ def _store_state(x, absmax, base, sbase, soff, tab, etab, eptr_off, cptr_off, bi
         if ZERO_FREE and CODEC == _K_CODEC_FP8_E4M3:
             codes = tl.maximum(codes, (x > 0).to(tl.int32))  # SMALLEST_POSITIVE_CODE
         _st(sbase + soff + bidx, absmax, bmask, EVEN)
-        if CODEC == _K_CODEC_DYN4_SIGNED or CODEC == _K_CODEC_LIN4_NOZERO:
+        if is_packed(CODEC):
             lo, hi = tl.split(tl.reshape(codes, [NB, QBLOCK // 2, 2]))
             _st(base + cptr_off, (lo | (hi << 4)).to(tl.uint8), cmask, EVEN)
         else:
@@ -499,7 +531,7 @@ def _load_raw(base, sptr, eoff, coff, bidx, bmask, emask, cmask, CODEC: tl.const
         return _ld(base + eoff, emask, EVEN), bmask
     else:
         absmax = _ld(sptr + bidx, bmask, EVEN)
-        if CODEC == _K_CODEC_DYN4_SIGNED or CODEC == _K_CODEC_LIN4_NOZERO:
+        if is_packed(CODEC):
             codes = _ld(base + coff, cmask, EVEN)
         else:
             codes = _ld(base + eoff, emask, EVEN)
@@ -510,7 +542,7 @@ def _load_raw(base, sptr, eoff, coff, bidx, bmask, emask, cmask, CODEC: tl.const
 def _unpacked_codes(raw, CODEC: tl.constexpr):
     """The codes [NB, QBLOCK] of a quantized moment loaded by _load_raw: the packed 4-bit
     codecs hold two per byte (element 2i in the low nibble), the others one."""
-    if CODEC == _K_CODEC_DYN4_SIGNED or CODEC == _K_CODEC_LIN4_NOZERO:
+    if is_packed(CODEC):
         packed = raw.to(tl.int32)
         return tl.interleave(packed & 15, packed >> 4)
     else:

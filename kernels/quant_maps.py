@@ -25,6 +25,13 @@ an integer code and back:
 * ``CODEC_LIN4_NOZERO`` -- 4-bit linear map without zero, ``value(j) = (j + 1) / 16``: the
   second-moment map of arXiv 2309.01507 (no zero, so ``1/sqrt(v)`` never explodes).
 * ``CODEC_FP8_E4M3`` -- FP8 e4m3 (the ``float8_e4m3fn`` bit layout) of ``x * 448``.
+* ``CODEC_NF4_SIGNED`` -- NormalFloat4 (QLoRA, Dettmers et al. 2023): 16 levels at quantiles
+  of the standard normal, normalized to [-1, 1], so a block of normally distributed values
+  puts about as many values near each level (see ``nf4_levels``). 8 positive levels (up to
+  1), 7 negative (down to -1) and 0. Codes: a level's rank from 0 mod 16 (0 is code 0, the
+  positive levels codes 1..8 ascending, the negative ones codes 9..15 from -1 up), so a
+  zero byte is two zeros, as in the other 4-bit codecs. Encoded by counting the 15
+  thresholds below ``x`` (``nf4_thresholds``): exactly the nearest level, ties toward 0.
 
 Second moments are coded zero-free: the encoder of a second moment never codes a positive
 value as 0, it gives the smallest positive code (code 1) to any positive value whose nearest
@@ -57,6 +64,11 @@ CODEC_DYN8_UNSIGNED = 2
 CODEC_DYN4_SIGNED = 3
 CODEC_LIN4_NOZERO = 4
 CODEC_FP8_E4M3 = 5
+CODEC_NF4_SIGNED = 6
+# Codec ids are 0 .. N_CODECS - 1: the rows of the stacked tables (codec_tables, encode_tables).
+N_CODECS = 7
+# The 4-bit codecs, stored two codes per byte (element 2i in the low nibble).
+PACKED_4BIT_CODECS = (CODEC_DYN4_SIGNED, CODEC_LIN4_NOZERO, CODEC_NF4_SIGNED)
 
 FP8_E4M3_MAX = 448.0
 # The smallest positive code of every codec (magnitude bits p = 1); what a second moment's
@@ -84,6 +96,9 @@ DYN_SIGNED = {CODEC_DYN8_SIGNED: True, CODEC_DYN8_UNSIGNED: False, CODEC_DYN4_SI
 #   [LUT:+256)  value of every code (sign included; the kernel reads the first 2**M,
 #               by magnitude)
 #   [MID:+256)  midpoint above every magnitude code (+inf above the largest; 2**M used)
+# NormalFloat4's table holds its 16 values by code at LUT and its 15 encode thresholds,
+# ascending, at MID (``_nf4_table``); it has no encode buckets (its row of encode_tables
+# is zeros).
 TABLE_STRIDE = 8
 TABLE_LUT = 4 * TABLE_STRIDE
 TABLE_MID = TABLE_LUT + 256
@@ -187,8 +202,70 @@ def _dyn_tables(codec: int) -> tuple[torch.Tensor, torch.Tensor]:
     return t, torch.nn.functional.pad(enc, (0, ENC_ROW - size)).to(torch.uint8)
 
 
+# ---------------------------------------------------------------------------------------
+# NormalFloat4
+# ---------------------------------------------------------------------------------------
+# The quantile of the largest level: halfway between 1 - 1/(2*15) and 1 - 1/(2*16), the
+# outermost of 15 and of 16 equal slices of probability (QLoRA's offset 0.9677083), so
+# that the normal's quantile function stays finite at the ends.
+NF4_OFFSET = (1 - 1 / (2 * 15) + 1 - 1 / (2 * 16)) / 2
+NF4_POSITIVE = 8  # positive levels (1 included)
+NF4_NEGATIVE = 7  # negative levels (-1 included); with 0, 16 in all
+NF4_LEVELS = NF4_POSITIVE + NF4_NEGATIVE + 1
+
+
+def nf4_levels() -> torch.Tensor:
+    """NormalFloat4's 16 levels, ascending, float64 (the definition): the normal quantiles
+    ``ndtri(p)`` at ``NF4_POSITIVE`` probabilities evenly spaced from ``NF4_OFFSET`` down to
+    (not including) 0.5, their mirror images at ``NF4_NEGATIVE`` such probabilities, and 0,
+    divided by the largest, ``ndtri(NF4_OFFSET)``. Asymmetric (8 positive levels, 7
+    negative) so that 0 is a level and all 16 codes are used: -1, -0.6962, -0.5251, ...,
+    -0.0911, 0, 0.0796, 0.1609, ..., 0.7230, 1."""
+    def quantiles(n: int) -> torch.Tensor:
+        p = torch.linspace(NF4_OFFSET, 0.5, n + 1, dtype=torch.float64)[:-1]
+        return torch.special.ndtri(p)
+
+    pos, neg = quantiles(NF4_POSITIVE), -quantiles(NF4_NEGATIVE)
+    levels = torch.cat([neg, torch.zeros(1, dtype=torch.float64), pos]) / pos[0]
+    return levels.sort().values
+
+
+def nf4_code_of_rank(rank: torch.Tensor) -> torch.Tensor:
+    """The code of the level of ascending rank ``rank`` (0 .. 15; int tensor): its rank
+    counted from 0's, mod 16, so that 0 is code 0 (``(rank - NF4_NEGATIVE) & 15``)."""
+    return (rank - NF4_NEGATIVE) & (NF4_LEVELS - 1)
+
+
+def nf4_thresholds(levels: torch.Tensor) -> torch.Tensor:
+    """The 15 float32 encode thresholds between ascending float32 ``levels``: ``x > t[j]``
+    exactly when a float32 ``x`` is nearer to level ``j + 1`` than to level ``j``, with ties
+    toward 0. The midpoint ``m`` of two float32 levels is exact in float64; ``t[j]`` is the
+    largest float32 ``<= m`` for a positive ``m`` (at a tie ``x > t`` fails: the level
+    below, nearer to 0) and the largest float32 ``< m`` for a negative one (at a tie
+    ``x > t`` holds: the level above, nearer to 0)."""
+    lv = levels.double()
+    mid = (lv[:-1] + lv[1:]) / 2
+    t = mid.float()
+    too_high = (t.double() > mid) | ((mid < 0) & (t.double() == mid))
+    return torch.where(too_high, torch.nextafter(t, torch.tensor(-float("inf"))), t)
+
+
+@functools.lru_cache(maxsize=None)
+def _nf4_table() -> torch.Tensor:
+    """NormalFloat4's float32 table: the value of every code at LUT, the 15 thresholds at
+    MID (module comment above ``TABLE_STRIDE``)."""
+    levels = nf4_levels().float()
+    t = torch.zeros(TABLE_SIZE, dtype=torch.float32)
+    codes = nf4_code_of_rank(torch.arange(NF4_LEVELS))
+    t[TABLE_LUT + codes] = levels
+    t[TABLE_MID:TABLE_MID + NF4_LEVELS - 1] = nf4_thresholds(levels)
+    return t
+
+
 def codec_table(codec: int) -> torch.Tensor:
     """Float32 constant table of a codec (zeros for codecs that need none)."""
+    if codec == CODEC_NF4_SIGNED:
+        return _nf4_table().clone()
     if codec not in DYN_MAGNITUDE_BITS:
         return torch.zeros(TABLE_SIZE, dtype=torch.float32)
     return _dyn_tables(codec)[0].clone()
@@ -196,17 +273,17 @@ def codec_table(codec: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def codec_tables(device: str) -> torch.Tensor:
-    """All codec tables stacked as ``[n_codecs, TABLE_SIZE]`` float32 on ``device`` (cached)."""
-    rows = [codec_table(c) for c in range(CODEC_FP8_E4M3 + 1)]
+    """All codec tables stacked as ``[N_CODECS, TABLE_SIZE]`` float32 on ``device`` (cached)."""
+    rows = [codec_table(c) for c in range(N_CODECS)]
     return torch.stack(rows).to(device)
 
 
 @functools.lru_cache(maxsize=None)
 def encode_tables(device: str) -> torch.Tensor:
-    """All encode tables stacked as ``[n_codecs, ENC_ROW]`` uint8 on ``device`` (cached;
+    """All encode tables stacked as ``[N_CODECS, ENC_ROW]`` uint8 on ``device`` (cached;
     a codec's table fills the first ``enc_size(codec)`` entries of its row)."""
     rows = [_dyn_tables(c)[1] if c in DYN_MAGNITUDE_BITS else torch.zeros(ENC_ROW, dtype=torch.uint8)
-            for c in range(CODEC_FP8_E4M3 + 1)]
+            for c in range(N_CODECS)]
     return torch.stack(rows).to(device)
 
 
@@ -231,6 +308,10 @@ def code_book(codec: int) -> torch.Tensor:
     if codec == CODEC_FP8_E4M3:
         codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
         return codes.view(torch.float8_e4m3fn).to(torch.float64) / FP8_E4M3_MAX
+    if codec == CODEC_NF4_SIGNED:
+        out = torch.empty(NF4_LEVELS, dtype=torch.float64)
+        out[nf4_code_of_rank(torch.arange(NF4_LEVELS))] = nf4_levels()
+        return out
     raise ValueError(f"codec {codec} has no code book")
 
 

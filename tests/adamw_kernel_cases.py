@@ -74,7 +74,7 @@ def compare_codes(name, a, b, codec):
         return
     # GPU: fused multiply-adds may move a value across a rounding boundary: one code step.
     ai, bi = a.to(torch.int32), b.to(torch.int32)
-    if codec in R.PACKED_4BIT:
+    if codec in Q.PACKED_4BIT_CODECS:
         ai = torch.stack([ai & 15, ai >> 4], -1)
         bi = torch.stack([bi & 15, bi >> 4], -1)
     ne = (ai != bi)
@@ -131,7 +131,7 @@ def assert_block_kept(cfg, before, kernel, ref, at):
     row, col = divmod(at, before.cols)
     b0 = col // cfg.block * cfg.block
     cols = slice(b0, min(b0 + cfg.block, before.cols))
-    packed = cfg.m_codec in R.PACKED_4BIT
+    packed = cfg.m_codec in Q.PACKED_4BIT_CODECS
     ccols = slice(b0 // 2, (cols.stop + 1) // 2) if packed else cols
     for t in (kernel, ref):
         for name in ("param", "extra", "exp_avg", "exp_avg_sq"):

@@ -338,7 +338,7 @@ def test_blockwise_layout_rows_and_padding(codec, block):
     x[1] *= 1000.0  # a loud row must not change its neighbours' scales
     codes, absmax = R.quantize_blockwise(x, codec, block)
     assert absmax.shape == (3, 3)
-    want_cols = (x.shape[1] + 1) // 2 if codec in R.PACKED_4BIT else x.shape[1]
+    want_cols = (x.shape[1] + 1) // 2 if codec in Q.PACKED_4BIT_CODECS else x.shape[1]
     assert codes.shape == (3, want_cols) and codes.dtype == torch.uint8
     for r in range(3):
         for b in range(3):
@@ -348,7 +348,7 @@ def test_blockwise_layout_rows_and_padding(codec, block):
     rel = ((back - x).abs() / absmax.repeat_interleave(block, 1)[:, : x.shape[1]]).max()
     assert rel < {Q.CODEC_DYN8_SIGNED: 0.02, Q.CODEC_DYN4_SIGNED: 0.2, Q.CODEC_LIN4_NOZERO: 0.07,
                   Q.CODEC_FP8_E4M3: 0.07}[codec]
-    if codec in R.PACKED_4BIT:
+    if codec in Q.PACKED_4BIT_CODECS:
         zero_code = int(R.encode(torch.zeros(1), codec))
         assert torch.all((codes[:, -1] >> 4) == zero_code)  # the pad nibble
 
