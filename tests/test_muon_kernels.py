@@ -21,6 +21,7 @@ from titan_lowbit.kernels.adamw_lowbit_ref import quantize_blockwise
 from titan_lowbit.kernels.quant_maps import CODEC_NONE
 from titan_lowbit.optim import LowBitMuon
 from titan_lowbit.optim.formats import STATE_FORMATS
+from titan_lowbit.optim.muon_groups import DEFAULT_MOMENTUM_4BIT_LEVELS, MOMENTUM_4BIT_LEVELS, momentum_codec
 
 DEV = "cpu" if INTERPRET else "cuda"
 FORMATS = ["fp32", "bf16", "8bit", "4bit", "fp8"]
@@ -32,17 +33,20 @@ UPDATES = [(torch.float32, "nearest")] + [(torch.bfloat16, u) for u in WEIGHT_UP
 SHAPES = [(5, 37), (1, 300), (12, 10), (4, 256)]
 
 
-def make(fmt, dtype, update, shape, gen, *, nesterov=True, block=0, weight_scale=1.0):
-    """(config, tensor) of a matrix with a random weight and a random (stored) momentum."""
+def make(fmt, dtype, update, shape, gen, *, nesterov=True, block=0, weight_scale=1.0,
+         levels=DEFAULT_MOMENTUM_4BIT_LEVELS):
+    """(config, tensor) of a matrix with a random weight and a random (stored) momentum, in
+    the codec LowBitMuon gives format ``fmt`` (a 4-bit momentum: ``levels``)."""
     f = STATE_FORMATS[fmt]
     block = block or f.default_block
+    codec = momentum_codec(f, {MOMENTUM_4BIT_LEVELS: levels})
     wu = WEIGHT_UPDATES[update] if dtype == torch.bfloat16 else WEIGHT_UPDATES["nearest"]
-    cfg = R.MuonConfig(codec=f.m_codec, state_bf16=f.plain_dtype == torch.bfloat16, block=block,
+    cfg = R.MuonConfig(codec=codec, state_bf16=f.plain_dtype == torch.bfloat16, block=block,
                        weight_update=wu, nesterov=nesterov)
     w = torch.randn(shape, generator=gen) * weight_scale
     m = torch.randn(shape, generator=gen) * 0.1
     if f.quantized:
-        momentum, scale = quantize_blockwise(m, f.m_codec, block)
+        momentum, scale = quantize_blockwise(m, codec, block)
     else:
         momentum, scale = m.to(f.plain_dtype), None
     extra = None
@@ -120,13 +124,15 @@ def test_step_matches_reference(fmt, dtype, update):
         assert not torch.equal(ref.param.float(), t.param.float())  # the step did step
 
 
-@pytest.mark.parametrize("fmt,block", [("8bit", 64), ("4bit", 32), ("fp8", 256), ("fp32", 64)])
-def test_other_blocks_and_unguarded_match_reference(fmt, block):
+@pytest.mark.parametrize("fmt,block,levels", [("8bit", 64, "nf4"), ("4bit", 32, "nf4"), ("4bit", 256, "dynamic"),
+                                              ("fp8", 256, "nf4"), ("fp32", 64, "nf4")])
+def test_other_blocks_and_unguarded_match_reference(fmt, block, levels):
     """block_size other than the format's default (more or fewer blocks per row), and the
-    unguarded step (the momentum written in place, no CHECK launch)."""
+    unguarded step (the momentum written in place, no CHECK launch); a 4-bit momentum
+    also in the dynamic map (``momentum_4bit_levels="dynamic"``)."""
     gen = torch.Generator().manual_seed(block)
     for shape in SHAPES:
-        cfg, t = make(fmt, torch.bfloat16, "stochastic", shape, gen, block=block)
+        cfg, t = make(fmt, torch.bfloat16, "stochastic", shape, gen, block=block, levels=levels)
         grad = torch.randn(shape, generator=gen, dtype=torch.bfloat16)
         ref, fused, wrote, flag = step_both(cfg, t, grad, hyper(), guarded=False)
         assert wrote and flag is None

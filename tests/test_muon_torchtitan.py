@@ -13,7 +13,12 @@ from types import SimpleNamespace
 
 from titan_lowbit.config import LowBit
 from titan_lowbit.optim import LowBitMuon
-from titan_lowbit.torchtitan.checkpoint_layout import CheckpointMismatch, check_compatible
+from titan_lowbit.torchtitan.checkpoint_layout import (
+    CheckpointMismatch,
+    UnrecordedOptions,
+    check_compatible,
+    unrecorded_entries,
+)
 from titan_lowbit.torchtitan.optimizer_builder import describe, valid_optimizer_names
 
 from optimizer_container_cases import Container, Tiny, build, step
@@ -40,6 +45,7 @@ def test_muon_names_build_lowbit_muon_with_the_optimizer_and_lowbit_settings():
                           "norm.weight": False, "output.weight": False}
     muon, adamw = opt.param_groups
     assert muon["momentum"] == LowBit().muon_momentum == 0.95  # LowBitMuon's own default
+    assert muon["momentum_4bit_levels"] == LowBit().muon_4bit_levels == "nf4"
     # [optimizer] betas and eps go to the inner AdamW; lr, weight decay and the layout to both
     from torchtitan.config import Optimizer as OptimizerConfig
     torchtitan = OptimizerConfig()
@@ -50,6 +56,7 @@ def test_muon_names_build_lowbit_muon_with_the_optimizer_and_lowbit_settings():
     # the [lowbit] Muon keys
     opt = only(build(model, "Muon8bit", muon_momentum=0.9, muon_adamw_fqns=["tok_embeddings"]))
     assert opt.param_groups[0]["momentum"] == 0.9
+    assert only(build(model, "Muon4bit", muon_4bit_levels="dynamic")).param_groups[0]["momentum_4bit_levels"] == "dynamic"
     assert split(opt)["output.weight"] is True and split(opt)["tok_embeddings.weight"] is False
     # fp32_states: the selected parameters' Muon momentum and AdamW moments in fp32
     opt = only(build(model, "Muon8bit", fp32_states=["tok_embeddings", "wq.weight"]))
@@ -62,6 +69,10 @@ def test_muon_names_build_lowbit_muon_with_the_optimizer_and_lowbit_settings():
     ("AdamW8bit", dict(muon_momentum=0.9), {}, r"\[lowbit\] muon_momentum set, but \[optimizer\] name = "
                                                r"'AdamW8bit' is not a Muon optimizer"),
     ("AdamW", dict(muon_adamw_fqns=["output"]), {}, r"\[lowbit\] muon_adamw_fqns set, .* Muon8bit"),
+    ("AdamW4bit", dict(muon_4bit_levels="dynamic"), {}, r"\[lowbit\] muon_4bit_levels set, .* not a Muon optimizer"),
+    ("Muon8bit", dict(muon_4bit_levels="dynamic"), {}, r"\[lowbit\] muon_4bit_levels = 'dynamic' sets the levels of "
+                                                       r"a 4-bit momentum, but \[optimizer\] name = 'Muon8bit' keeps "
+                                                       r"a 8bit one. Choose Muon4bit"),
     ("Muon8bit", dict(muon_adamw_fqns=["lm_head"]), {}, r"\[lowbit\] muon_adamw_fqns entry 'lm_head' matches no"),
     ("Muon", dict(block_size=64), {}, r"\[lowbit\] block_size set, but \[optimizer\] name = 'Muon' keeps fp32 "
                                       r"states.*Muon8bit"),
@@ -134,6 +145,38 @@ def test_checkpoint_of_a_muon_name_is_compared_with_the_run_before_loading(tmp_p
     assert ("optimizer layout of param 'output.weight': checkpoint" in text
             and "[lowbit] muon_adamw_fqns gave the inner AdamW 5 parameters" in text
             and "[lowbit] muon_adamw_fqns giving the inner AdamW exactly the checkpoint's 5 parameters" in text), text
+    # Muon4bit's momentum levels: recorded in the checkpoint, or unrecorded (the dynamic map)
+    four = tmp_path / "four"
+    model = checkpoint(four, "Muon4bit", muon_4bit_levels="dynamic")
+    with pytest.raises(CheckpointMismatch) as err:
+        check_compatible({"optimizer": Container(model, build(model, "Muon4bit"))}, str(four))
+    assert ("momentum_4bit_levels='dynamic'" in str(err.value) and "momentum_4bit_levels='nf4'" in str(err.value)
+            and '[lowbit] muon_4bit_levels = "dynamic" (--lowbit.muon_4bit_levels dynamic)' in str(err.value)), err.value
+    assert check_compatible({"optimizer": Container(model, build(model, "Muon4bit", muon_4bit_levels="dynamic"))},
+                            str(four)) is None
+    unrecorded = tmp_path / "unrecorded"
+    model = Tiny()
+    opts = build(model, "Muon4bit", muon_4bit_levels="dynamic")
+    step(opts, model)
+    flat = Container(model, opts).state_dict()
+    dcp.save({"optimizer": {k: v for k, v in flat.items() if not k.endswith(".momentum_4bit_levels")}},
+             checkpoint_id=str(unrecorded))
+    with pytest.raises(CheckpointMismatch, match=r'\[lowbit\] muon_4bit_levels = "dynamic"'):
+        check_compatible({"optimizer": Container(model, build(model, "Muon4bit"))}, str(unrecorded))
+    assert check_compatible({"optimizer": Container(model, build(model, "Muon4bit", muon_4bit_levels="dynamic"))},
+                            str(unrecorded)) is None
+    # ... and DCP loads it (as the checkpoint wrapper does): the run goes on as the original
+    run = Tiny()
+    run.load_state_dict(model.state_dict())
+    resumed = build(run, "Muon4bit", muon_4bit_levels="dynamic")
+    entries = unrecorded_entries(resumed.state_dict(), dcp.FileSystemReader(str(unrecorded)).read_metadata()
+                                 .state_dict_metadata)
+    assert entries == ["param_groups.layers.0.wq.weight.momentum_4bit_levels"]
+    dcp.load({"optimizer": UnrecordedOptions(resumed, entries)}, checkpoint_id=str(unrecorded))
+    step(opts, model, seed=5)
+    step(resumed, run, seed=5)
+    for a, b in zip(model.parameters(), run.parameters()):
+        assert torch.equal(a, b)
     # an AdamW checkpoint resumed by a Muon name
     adamw = tmp_path / "adamw"
     model = checkpoint(adamw, "AdamW8bit")
@@ -153,3 +196,6 @@ def test_lowbit_muon_keys_are_checked_when_the_section_is_parsed():
     # one string on the command line: comma-separated, as the other fragment lists
     assert LowBit(muon_adamw_fqns="tok_embeddings,output").muon_adamw_fqns == ["tok_embeddings", "output"]
     assert LowBit(muon_momentum=0).muon_momentum == 0
+    with pytest.raises(ValueError, match=r"\[lowbit\] muon_4bit_levels = 'nf3' is not valid; choose one of "
+                                         r"\['nf4', 'dynamic'\]"):
+        LowBit(muon_4bit_levels="nf3")

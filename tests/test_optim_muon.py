@@ -11,6 +11,8 @@ import math
 import pytest
 import torch
 
+from titan_lowbit.kernels.adamw_lowbit_ref import quantize_blockwise
+from titan_lowbit.kernels.quant_maps import CODEC_DYN4_SIGNED, CODEC_NF4_SIGNED
 from titan_lowbit.optim import LowBitAdamW, LowBitMuon
 from titan_lowbit.optim.adamw import WEIGHT_UPDATES
 
@@ -98,16 +100,19 @@ def _train(model, opt, x, y, steps):
 
 
 # Distance from fp32 Muon's weights after 50 steps, as a fraction of how far fp32 moved
-# them (measured: bf16 0.011, 8-bit 0.041, fp8 0.11, 4-bit 0.60; momentum 0 instead: 0.78),
-# and final loss over fp32 Muon's (4-bit: 1.026).
-@pytest.mark.parametrize("fmt,tol,loss_tol", [("bf16", 0.03, 1.002), ("8bit", 0.08, 1.002), ("fp8", 0.2, 1.005),
-                                              ("4bit", 0.7, 1.04)])
-def test_low_bit_momentum_tracks_fp32(fmt, tol, loss_tol):
+# them (measured: bf16 0.011, 8-bit 0.041, fp8 0.11, 4-bit 0.43 with NF4 levels and 0.60 with
+# the dynamic map; momentum 0 instead: 0.78), and final loss over fp32 Muon's (4-bit: 1.010
+# with NF4 levels, 1.025 with the dynamic map).
+@pytest.mark.parametrize("fmt,levels,tol,loss_tol", [("bf16", "nf4", 0.03, 1.002), ("8bit", "nf4", 0.08, 1.002),
+                                                     ("fp8", "nf4", 0.2, 1.005), ("4bit", "nf4", 0.5, 1.015),
+                                                     ("4bit", "dynamic", 0.7, 1.04)])
+def test_low_bit_momentum_tracks_fp32(fmt, levels, tol, loss_tol):
     ref_model, x, y = _problem()
     model, start = copy.deepcopy(ref_model), copy.deepcopy(ref_model)
     kw = dict(lr=0.01, min_quantized_numel=0)
     ref_loss = _train(ref_model, LowBitMuon(ref_model.named_parameters(), state_format="fp32", **kw), x, y, 50)
-    loss = _train(model, LowBitMuon(model.named_parameters(), state_format=fmt, **kw), x, y, 50)
+    loss = _train(model, LowBitMuon(model.named_parameters(), state_format=fmt, momentum_4bit_levels=levels, **kw),
+                  x, y, 50)
     assert loss <= loss_tol * ref_loss
     for (name, a), b, s in zip(model.named_parameters(), ref_model.parameters(), start.parameters()):
         moved = float((b - s).detach().norm())
@@ -147,6 +152,11 @@ def test_params_split_by_shape_and_name():
     (lambda lin: LowBitMuon(lin.parameters(), ns_steps=0), "ns_steps=0"),
     (lambda lin: LowBitMuon(lin.parameters(), state_format="2bit"), "state_format='2bit'"),
     (lambda lin: LowBitMuon(lin.parameters(), weight_update="fancy"), "weight_update='fancy'"),
+    (lambda lin: LowBitMuon(lin.parameters(), state_format="4bit", momentum_4bit_levels="nf3"),
+     r"momentum_4bit_levels='nf3'; choose one of \['nf4', 'dynamic'\]"),
+    (lambda lin: LowBitMuon(lin.parameters(), state_format="8bit", momentum_4bit_levels="dynamic"),
+     "sets the levels of a 4-bit momentum, but state_format='8bit'"),
+    (lambda lin: LowBitMuon([lin.bias], adamw_options={"momentum_4bit_levels": "dynamic"}), "on LowBitMuon itself"),
     (lambda lin: LowBitMuon(lin.parameters(), adamw_options={"seed": 3}), "on LowBitMuon itself"),
     (lambda lin: LowBitMuon(lin.parameters(), adamw_options={"betaz": 3}), "not LowBitAdamW keywords"),
     (lambda lin: LowBitMuon([lin.weight, lin.weight]), "listed twice"),
@@ -291,6 +301,62 @@ def test_load_refuses_another_layout_or_damage_changing_nothing():
     with pytest.raises(ValueError, match="param '0.bias'"):
         opt.load_state_dict(damaged)
     assert opt.adamw.param_groups[0] is opt.param_groups[1]
+
+
+@pytest.mark.parametrize("levels,codec", [("nf4", CODEC_NF4_SIGNED), ("dynamic", CODEC_DYN4_SIGNED)])
+def test_4bit_momentum_is_coded_in_the_levels_asked_for(levels, codec):
+    """A "4bit" momentum holds the fp32 momentum quantized with the chosen levels (NF4 by
+    default); the inner AdamW's first moment keeps the "4bit" format's dynamic map."""
+    def one_step(**kw):
+        model = _bf16_lin()
+        opt = LowBitMuon(model.named_parameters(), lr=1e-3, min_quantized_numel=0, **kw)
+        _steps(model, opt, 1, seed=1)
+        return model, opt
+
+    ref_model, ref = one_step(state_format="fp32")
+    model, opt = one_step(state_format="4bit", **({} if levels == "nf4" else {"momentum_4bit_levels": levels}))
+    assert opt.param_groups[0]["momentum_4bit_levels"] == levels
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        if p.dim() == 2:
+            state = opt.state[p]
+            m = ref.state[q]["momentum_buffer"]
+            codes, absmax = quantize_blockwise(m, codec, 128)
+            assert torch.equal(state["momentum_buffer_codes"], codes) and torch.equal(state["momentum_buffer_absmax"], absmax)
+        else:  # the inner AdamW (biases)
+            m = ref.state[q]["exp_avg"].reshape(1, -1)
+            assert torch.equal(opt.state[p]["exp_avg_codes"], quantize_blockwise(m, CODEC_DYN4_SIGNED, 128)[0][0])
+
+
+def test_4bit_momentum_state_dict_resumes_only_into_its_levels():
+    """A state dict records momentum_4bit_levels; one without it (an optimizer that did not
+    record them) holds the dynamic map. Either loads only into an optimizer of the same
+    levels, and then resumes bit for bit; formats other than 4-bit ignore a missing key."""
+    kw = dict(lr=1e-3, state_format="4bit", min_quantized_numel=0, momentum_4bit_levels="dynamic")
+    model = _bf16_lin()
+    opt = LowBitMuon(model.named_parameters(), **kw)
+    _steps(model, opt, 2, seed=1)
+    sd = copy.deepcopy(opt.state_dict())
+    unrecorded = copy.deepcopy(sd)
+    for g in unrecorded["param_groups"]:
+        g.pop("momentum_4bit_levels", None)
+    for saved in (sd, unrecorded):
+        with pytest.raises(ValueError, match="saved with momentum_4bit_levels='dynamic', this optimizer was built "
+                                             "with momentum_4bit_levels='nf4'"):
+            LowBitMuon(_bf16_lin().named_parameters(), **{**kw, "momentum_4bit_levels": "nf4"}).load_state_dict(saved)
+    resumed = copy.deepcopy(model)
+    opt2 = LowBitMuon(resumed.named_parameters(), **kw)
+    opt2.load_state_dict(unrecorded)
+    assert opt2.param_groups[0]["momentum_4bit_levels"] == "dynamic"
+    _steps(model, opt, 2, seed=2)
+    _steps(resumed, opt2, 2, seed=2)
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+    eight = LowBitMuon(model.named_parameters(), lr=1e-3, state_format="8bit", min_quantized_numel=0)
+    _steps(model, eight, 1, seed=3)
+    sd8 = copy.deepcopy(eight.state_dict())
+    for g in sd8["param_groups"]:
+        g.pop("momentum_4bit_levels", None)
+    LowBitMuon(model.named_parameters(), lr=1e-3, state_format="8bit", min_quantized_numel=0).load_state_dict(sd8)
 
 
 def test_closure_add_param_group_and_lr_changes():

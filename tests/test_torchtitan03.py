@@ -311,6 +311,43 @@ def test_checkpoint_of_another_optimizer_layout_is_named_before_dcp_loads_it(tmp
     assert "w2" not in four, four
 
 
+def test_muon4bit_checkpoint_without_its_momentum_levels_resumes_with_the_dynamic_map(tmp_path):
+    """A Muon4bit checkpoint that records no momentum_4bit_levels (written before the
+    option existed) holds the dynamic map: the checkpoint manager loads it into a run of
+    momentum_4bit_levels "dynamic", which goes on as the original; a run of the default
+    levels (NF4) is refused, naming the option."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    def muon4(model, **levels):
+        return v03.LowBitOptimizersContainer.Config(param_groups=[ParamGroupConfig(
+            pattern=".*", optimizer_name="Muon4bit", optimizer_kwargs={"lr": 1e-2, **levels})]).build(model_parts=[model])
+
+    def load(opt):  # as the trainer's checkpoint manager loads a resume (no model states here)
+        manager = object.__new__(v03.CheckedCheckpointManager)
+        manager.states = {}
+        manager.dcp_load({"optimizer": opt}, str(tmp_path), False, False)
+
+    model = Tiny()
+    opt = muon4(model, momentum_4bit_levels="dynamic")
+    train(model, opt, 2)
+    saved = {k: v for k, v in opt.state_dict().items() if not k.endswith(".momentum_4bit_levels")}
+    assert len(saved) < len(opt.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP without a process group says it works in one process
+        dcp.save({"optimizer": saved}, checkpoint_id=str(tmp_path), no_dist=True)
+        with pytest.raises(Exception, match="saved with momentum_4bit_levels='dynamic', this optimizer was built "
+                                            "with momentum_4bit_levels='nf4'"):
+            load(muon4(Tiny()))
+        resumed = copy.deepcopy(model)
+        again = muon4(resumed, momentum_4bit_levels="dynamic")
+        load(again)
+    train(model, opt, 2, start=2)
+    train(resumed, again, 2, start=2)
+    assert_same(snapshot(model, opt), snapshot(resumed, again))
+
+
 def test_lowbit_adamw_override_turns_torch_adamw_groups_into_lowbit():
     config = default_adamw(lr=3e-4)
     new = v03.lowbit_adamw(config, name="AdamW4bit", weight_update="stochastic", seed=7)

@@ -24,6 +24,7 @@ from titan_lowbit.optim.adamw import WEIGHT_UPDATES as OPTIMIZER_WEIGHT_UPDATES
 from titan_lowbit.optim.adamw import LowBitAdamW
 from titan_lowbit.optim.muon import LowBitMuon
 from titan_lowbit.optim.muon_groups import DEFAULT_ADAMW_FQNS as MUON_DEFAULT_ADAMW_FQNS
+from titan_lowbit.optim.muon_groups import MOMENTUM_4BIT_CODECS
 from titan_lowbit.prepare_data import DATASET_SPLITS
 
 # The optimizer's own defaults (LowBitAdamW's signature) are the section's.
@@ -34,6 +35,7 @@ WeightDtype = Literal["auto", "float32", "bfloat16"]
 WeightUpdate = Literal[tuple(OPTIMIZER_WEIGHT_UPDATES)]
 # "ignore" (no check at all) is left to LowBitAdamW's own users and benchmarks.
 NonfinitePolicy = Literal[tuple(p for p in OPTIMIZER_NONFINITE_POLICIES if p != "ignore")]
+Momentum4bitLevels = Literal[tuple(MOMENTUM_4BIT_CODECS)]
 WEIGHT_DTYPES = get_args(WeightDtype)
 WEIGHT_UPDATES = get_args(WeightUpdate)
 NONFINITE_POLICIES = get_args(NonfinitePolicy)
@@ -119,6 +121,12 @@ class LowBit:
     matrices of the Muon names (Muon, Muon8bit, Muon4bit, MuonFp8); their inner AdamW
     takes [optimizer] beta1 and beta2."""
 
+    muon_4bit_levels: Momentum4bitLevels = _MUON_DEFAULTS["momentum_4bit_levels"]
+    """The levels of Muon4bit's momentum codes: "nf4" (QLoRA's NormalFloat4 levels) or
+    "dynamic" (the dynamic map of AdamW4bit's first moment, which Muon4bit's inner AdamW
+    keeps). With NF4 levels Muon4bit ends closer to fp32 Muon (docs/muon.md). A Muon4bit checkpoint that records no levels was written with
+    "dynamic": resume it with that value. Refused with the other names."""
+
     muon_adamw_fqns: list[str] = field(default_factory=lambda: list(MUON_DEFAULT_ADAMW_FQNS))
     """Fully-qualified-name fragments of the 2-D parameters that a Muon name steps with its
     inner AdamW instead of Muon (selected as fp32_states selects, titan_lowbit/
@@ -183,6 +191,7 @@ class LowBit:
         _check_choice("weight_dtype", self.weight_dtype, WEIGHT_DTYPES)
         _check_choice("weight_update", self.weight_update, WEIGHT_UPDATES)
         _check_choice("nonfinite_grad", self.nonfinite_grad, NONFINITE_POLICIES)
+        _check_choice("muon_4bit_levels", self.muon_4bit_levels, get_args(Momentum4bitLevels))
         if not is_block_size(self.block_size):
             raise ValueError(
                 f"[lowbit] block_size = {self.block_size} must be 0 (the format's default) "

@@ -45,17 +45,21 @@ from titan_lowbit.kernels.quant_maps import tensor_key
 
 from .adamw import LowBitAdamW
 from .formats import param_format, weight_update_specs
-from .group_options import NONFINITE_POLICIES, SKIPPED, check_param, checked_local_grad, fixed_value
+from .group_options import NONFINITE_POLICIES, SKIPPED, check_param, checked_local_grad
 from .hyperparams import hyper_value
 from .muon_exchange import EXCHANGE_BUCKET_NUMEL, OwnerExchange, exchange_buckets, split_dims
 from .muon_groups import (
     DEFAULT_ADAMW_FQNS,
+    DEFAULT_MOMENTUM_4BIT_LEVELS,
+    MOMENTUM_4BIT_LEVELS,
     MUON_FIXED_OPTIONS,
     MUON_ONLY_OPTIONS,
     SHARED_OPTIONS,
     USE_MUON,
     check_muon_group,
     check_muon_param,
+    momentum_codec,
+    muon_fixed_value,
     suits_muon,
 )
 from .state_dict import EntrySpec, check_kind, check_param_state, load_with_checks, raise_value_problems
@@ -91,7 +95,12 @@ class LowBitMuon(torch.optim.Optimizer):
         ns_steps, ns_coefficients: the quintic Newton-Schulz iteration (bf16).
         matched_rms: the RMS Muon's update is scaled to (Moonshot: 0.2, AdamW's typical).
         state_format: Muon's momentum and AdamW's moments: "fp32", "bf16", "8bit", "4bit"
-            or "fp8" (``formats.STATE_FORMATS``; the momentum in the first-moment codec).
+            or "fp8" (``formats.STATE_FORMATS``; the momentum in the first-moment codec,
+            but see ``momentum_4bit_levels``).
+        momentum_4bit_levels: the levels of a "4bit" momentum: "nf4" (QLoRA's
+            NormalFloat4; the default) or "dynamic" (the dynamic map of the "4bit"
+            format's first moment, which its inner AdamW keeps). Other formats refuse a
+            value but the default.
         weight_update, block_size, min_quantized_numel, seed, nonfinite_grad: as in
             ``LowBitAdamW``, for both parts. ``nonfinite_grad="raise"``: a matrix whose
             new momentum or weight would hold an inf/nan keeps both unwritten and the step
@@ -134,6 +143,7 @@ class LowBitMuon(torch.optim.Optimizer):
                  momentum: float = 0.95, weight_decay: float = _ADAMW_DEFAULTS["weight_decay"], *,
                  nesterov: bool = True, ns_steps: int = NS_STEPS,
                  ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, matched_rms: float = MATCHED_RMS,
+                 momentum_4bit_levels: str = DEFAULT_MOMENTUM_4BIT_LEVELS,
                  state_format: str = _ADAMW_DEFAULTS["state_format"],
                  weight_update: str = _ADAMW_DEFAULTS["weight_update"],
                  block_size: int = _ADAMW_DEFAULTS["block_size"],
@@ -175,7 +185,8 @@ class LowBitMuon(torch.optim.Optimizer):
         self._master_pending: set[torch.Tensor] = set()  # as LowBitAdamW._take_masters
         self._all_names: list[str] = []
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                        ns_coefficients=ns_coefficients, matched_rms=matched_rms, weight_decay=weight_decay,
+                        ns_coefficients=ns_coefficients, matched_rms=matched_rms,
+                        momentum_4bit_levels=momentum_4bit_levels, weight_decay=weight_decay,
                         state_format=state_format, weight_update=weight_update, block_size=block_size,
                         min_quantized_numel=min_quantized_numel)
         super().__init__(params, defaults)
@@ -580,13 +591,16 @@ class LowBitMuon(torch.optim.Optimizer):
             if not self._is_muon(gi):
                 adamw_groups.append(s)
                 continue
-            missing = [k for k in MUON_ONLY_OPTIONS + SHARED_OPTIONS if k not in s]
+            # momentum_4bit_levels may be unrecorded (muon_fixed_value says what that means)
+            missing = [k for k in MUON_ONLY_OPTIONS + SHARED_OPTIONS if k not in s and k != MOMENTUM_4BIT_LEVELS]
             if missing:
                 raise ValueError(f"param group {gi} of the state dict has no {missing}: it was not saved by LowBitMuon")
             for k in MUON_FIXED_OPTIONS:
-                if fixed_value(s, k) != fixed_value(group, k):
-                    raise ValueError(f"param group {gi}: the state dict was saved with {k}={s[k]!r}, this optimizer "
-                                     f"was built with {k}={group[k]!r}. Build the optimizer with {k}={s[k]!r} to "
+                was, now = muon_fixed_value(s, k), muon_fixed_value(group, k)
+                if was != now:
+                    saved = s[k] if k in s else was
+                    raise ValueError(f"param group {gi}: the state dict was saved with {k}={saved!r}, this optimizer "
+                                     f"was built with {k}={group[k]!r}. Build the optimizer with {k}={saved!r} to "
                                      "resume it, or start the optimizer state afresh")
             check_muon_group({**group, **s}, f"param group {gi} of the state dict")
             for key, p in zip(s["params"], group["params"]):
@@ -594,7 +608,7 @@ class LowBitMuon(torch.optim.Optimizer):
                 if not state:
                     raise ValueError(f"param '{name}': the state dict holds no optimizer state for it; it is "
                                      "incomplete or not this optimizer's. Load a complete one")
-                codec = param_format(p, group)[0].m_codec
+                codec = momentum_codec(param_format(p, group)[0], group)
                 specs = {k: EntrySpec(gshape, shape, dtype, check_kind(k), codec)
                          for k, (shape, dtype, gshape) in muon_state_specs(p, group).items()}
                 own = next(iter(v for k, v in self.state[p].items() if k != "step"))
@@ -687,7 +701,7 @@ def muon_tensor(p: torch.Tensor, group: dict[str, Any], state: dict[str, Any],
     """The reference step's view of one Muon matrix (its local shard) and its state."""
     fmt, block = param_format(p, group)
     update = WEIGHT_UPDATES[group["weight_update"]] if p.dtype == torch.bfloat16 else UPDATE_NEAREST
-    cfg = MuonConfig(codec=fmt.m_codec, state_bf16=fmt.plain_dtype == torch.bfloat16, block=block,
+    cfg = MuonConfig(codec=momentum_codec(fmt, group), state_bf16=fmt.plain_dtype == torch.bfloat16, block=block,
                      weight_update=update, nesterov=group["nesterov"])
     if fmt.quantized:
         momentum, scale = local(state[f"{MOMENTUM}_codes"]).view(torch.uint8), local(state[f"{MOMENTUM}_absmax"])

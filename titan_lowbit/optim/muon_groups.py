@@ -16,8 +16,10 @@ from typing import Any, Iterable, Optional
 
 import torch
 from titan_lowbit.fqn_fragments import selects
+from titan_lowbit.kernels.quant_maps import CODEC_DYN4_SIGNED, CODEC_NF4_SIGNED
 
-from .group_options import check_lr, check_skipped, check_state_options
+from .formats import StateFormat
+from .group_options import check_lr, check_skipped, check_state_options, fixed_value
 from .hyperparams import hyper_value, shown
 from .muon_exchange import split_dims
 
@@ -25,14 +27,42 @@ from .muon_exchange import split_dims
 # (torchtitan's tok_embeddings, Hugging Face's embed_tokens) and the output head
 # (torchtitan's output, Hugging Face's lm_head).
 DEFAULT_ADAMW_FQNS = ("embed", "output", "lm_head")
+# The levels of a 4-bit momentum (state format "4bit"; the other formats' momentum takes the
+# format's first-moment codec). Muon requantizes its stored momentum at every step, and the
+# error of each rounding lives on for about 1 / (1 - momentum) steps: QLoRA's NormalFloat4
+# levels, dense where most of a block's values lie, halve the stored error of the dynamic
+# map that AdamW4bit's first moment uses, and with it most of the loss it costs
+# (docs/design_notes.md, "Muon's 4-bit momentum").
+MOMENTUM_4BIT_LEVELS = "momentum_4bit_levels"
+MOMENTUM_4BIT_CODECS = {"nf4": CODEC_NF4_SIGNED, "dynamic": CODEC_DYN4_SIGNED}
+DEFAULT_MOMENTUM_4BIT_LEVELS = "nf4"
+# What a state dict or checkpoint that records no momentum_4bit_levels was written with:
+# the dynamic map, the only levels of the optimizers that did not record them.
+UNRECORDED_MOMENTUM_4BIT_LEVELS = "dynamic"
 # Options of a Muon group that an AdamW group has not, and those the two share.
-MUON_ONLY_OPTIONS = ("momentum", "nesterov", "ns_steps", "ns_coefficients", "matched_rms")
+MUON_ONLY_OPTIONS = ("momentum", "nesterov", "ns_steps", "ns_coefficients", "matched_rms", MOMENTUM_4BIT_LEVELS)
 SHARED_OPTIONS = ("lr", "weight_decay", "state_format", "weight_update", "block_size", "min_quantized_numel")
 # Options fixed once a Muon group's states exist (they set the states' layout).
-MUON_FIXED_OPTIONS = ("state_format", "block_size", "weight_update", "min_quantized_numel")
+MUON_FIXED_OPTIONS = ("state_format", "block_size", "weight_update", "min_quantized_numel", MOMENTUM_4BIT_LEVELS)
 # The key that marks a param group as Muon's (True) or AdamW's (False), as the reference
 # Muon's MuonWithAuxAdam marks them.
 USE_MUON = "use_muon"
+
+
+def momentum_codec(fmt: StateFormat, group: dict[str, Any]) -> int:
+    """The codec of a Muon matrix's momentum in format ``fmt`` and param group ``group``."""
+    if fmt.name == "4bit":
+        return MOMENTUM_4BIT_CODECS[group[MOMENTUM_4BIT_LEVELS]]
+    return fmt.m_codec
+
+
+def muon_fixed_value(group: dict[str, Any], key: str) -> Any:
+    """A MUON_FIXED_OPTIONS value as it acts on the states (``fixed_value``):
+    ``momentum_4bit_levels`` only with state format "4bit" (else None), and
+    ``UNRECORDED_MOMENTUM_4BIT_LEVELS`` where a saved group does not record it."""
+    if key == MOMENTUM_4BIT_LEVELS:
+        return group.get(key, UNRECORDED_MOMENTUM_4BIT_LEVELS) if group.get("state_format") == "4bit" else None
+    return fixed_value(group, key)
 
 
 def suits_muon(p: torch.Tensor, name: Optional[str], adamw_fqns: Iterable[str]) -> bool:
@@ -68,4 +98,10 @@ def check_muon_group(group: dict[str, Any], where: str) -> None:
     if not (0 < rms < math.inf):
         raise ValueError(f"{where}: matched_rms={shown(group['matched_rms'])}; use a finite number > 0")
     check_state_options(group, where)
+    levels = group[MOMENTUM_4BIT_LEVELS]
+    if levels not in MOMENTUM_4BIT_CODECS:
+        raise ValueError(f"{where}: {MOMENTUM_4BIT_LEVELS}={levels!r}; choose one of {list(MOMENTUM_4BIT_CODECS)}")
+    if levels != DEFAULT_MOMENTUM_4BIT_LEVELS and group["state_format"] != "4bit":
+        raise ValueError(f"{where}: {MOMENTUM_4BIT_LEVELS}={levels!r} sets the levels of a 4-bit momentum, but "
+                         f"state_format={group['state_format']!r}: use state_format='4bit', or remove it")
     check_skipped(group, where)

@@ -89,6 +89,7 @@ from titan_lowbit.torchtitan.checkpoint_verify import (
     verify,
 )
 from titan_lowbit.torchtitan.lr_schedule import schedule_change, write_schedule
+from titan_lowbit.torchtitan.unrecorded_options import UnrecordedOptions, unrecorded_entries
 
 
 def check_async_mode(checkpoint_config) -> None:
@@ -141,6 +142,9 @@ def register() -> None:
             if (schedule_warning := schedule_change(state_dict[LR_SCHEDULER], checkpoint_id)):
                 logger.warning(schedule_warning)
             state_dict = {**state_dict, LR_SCHEDULER: FittedLRSchedulers(state_dict[LR_SCHEDULER])}
+        if OPTIMIZER in state_dict and conversion is None and (
+                unrecorded := unrecorded_entries(state_dict[OPTIMIZER].state_dict(), metadata.state_dict_metadata)):
+            state_dict = {**state_dict, OPTIMIZER: UnrecordedOptions(state_dict[OPTIMIZER], unrecorded)}
         try:
             if conversion is None:
                 result = original_load(self, state_dict, checkpoint_id, from_hf, from_quantized)

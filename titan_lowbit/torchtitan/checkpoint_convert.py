@@ -43,11 +43,11 @@ from titan_lowbit.config import lowbit_of
 from titan_lowbit.optim.muon_groups import USE_MUON
 from titan_lowbit.torchtitan.lowbit_optimizers import is_lowbit
 from titan_lowbit.torchtitan.optimizer_builder import FP32_STATES_FORMAT
+from titan_lowbit.torchtitan.unrecorded_options import GROUP_ENTRY
 
 FLATTENED = StateDictOptions(flatten_optimizer_state_dict=True)  # as torchtitan saves them
-# A flattened optimizer state dict's param-group entries, and an option every group has:
-# its entries name every parameter, in the optimizer's order.
-GROUP_ENTRY = "param_groups."
+# An option every param group has: its entries (GROUP_ENTRY) name every parameter, in the
+# optimizer's order.
 ANY_GROUP_KEY = "lr"
 # What each converted setting does to the states, for its log line.
 EFFECT = {

@@ -61,7 +61,7 @@ def is_muon_name(name: str) -> bool:
 
 
 # The [lowbit] keys that configure the Muon names only.
-MUON_KEYS = ("muon_momentum", "muon_adamw_fqns")
+MUON_KEYS = ("muon_momentum", "muon_4bit_levels", "muon_adamw_fqns")
 
 
 def muon_keys_set(lowbit: LowBit) -> list[str]:
@@ -313,7 +313,14 @@ def _muon_optimizer(name: str, lowbit: LowBit, model_parts: list[nn.Module], par
         check_every_fragment_selects("muon_adamw_fqns", adamw_fqns,
                                      [n for m in model_parts for n, p in m.named_parameters() if p.requires_grad],
                                      "trainable parameter of the model")
+    if "muon_4bit_levels" in muon_keys_set(lowbit) and MUON_OPTIMIZERS[name]["state_format"] != "4bit":
+        four_bit = [n for n, o in MUON_OPTIMIZERS.items() if o["state_format"] == "4bit"]
+        raise ValueError(
+            f"[lowbit] muon_4bit_levels = {lowbit.muon_4bit_levels!r} sets the levels of a 4-bit momentum, but "
+            f"[optimizer] name = {name!r} keeps a {MUON_OPTIMIZERS[name]['state_format']} one. Choose "
+            f"{' or '.join(four_bit)}, or remove it.")
     return LowBitMuon, {**shared, "momentum": lowbit.muon_momentum, "adamw_fqns": adamw_fqns,
+                        "momentum_4bit_levels": lowbit.muon_4bit_levels,
                         "adamw_options": adamw_options, **MUON_OPTIMIZERS[name]}
 
 

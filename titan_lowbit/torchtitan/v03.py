@@ -83,6 +83,7 @@ from titan_lowbit.torchtitan.lowbit_optimizers import (
     state_bytes_per_param,
 )
 from titan_lowbit.torchtitan.lr_schedule import remember_schedule, schedule_change, write_schedule
+from titan_lowbit.torchtitan.unrecorded_options import UnrecordedOptions, unrecorded_entries
 
 logger = logging.getLogger(__name__)
 
@@ -673,13 +674,17 @@ class CheckedCheckpointManager(CheckpointManager):
         if not from_hf and (warning := schedule_change(state_dict.get("lr_scheduler"), checkpoint_id)):
             logger.warning(warning)
         if not from_hf and "optimizer" in state_dict:
-            problem = optimizer_layout_problem(state_dict, FileSystemReader(checkpoint_id).read_metadata())
+            metadata = FileSystemReader(checkpoint_id).read_metadata()
+            problem = optimizer_layout_problem(state_dict, metadata)
             if problem:
                 raise ValueError(
                     f"checkpoint {checkpoint_id} was written with another optimizer state layout: "
                     f"{problem}. Resume with the optimizer settings that wrote it (optimizer names, "
                     "block_size, min_quantized_numel, weight_update of the param groups), or load the "
                     "model alone (--checkpoint.initial_load_path with --checkpoint.initial_load_model_only).")
+            # a checkpoint from before a param-group option existed (unrecorded_options)
+            if unrecorded := unrecorded_entries(state_dict["optimizer"].state_dict(), metadata.state_dict_metadata):
+                state_dict = {**state_dict, "optimizer": UnrecordedOptions(state_dict["optimizer"], unrecorded)}
         super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
 
     def dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False,
