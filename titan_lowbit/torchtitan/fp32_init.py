@@ -38,7 +38,7 @@ def _fp32_stand_in(p: nn.Parameter) -> nn.Parameter:
     loc = local(p)
     data = torch.empty(loc.shape, dtype=torch.float32, device=loc.device)
     if isinstance(p, DTensor):
-        data = DTensor.fromlocal(data, p.device_mesh, p.placements, run_check=False,
+        data = DTensor.from_local(data, p.device_mesh, p.placements, run_check=False,
                                   shape=p.shape, stride=p.stride())
     return nn.Parameter(data, requires_grad=p.requires_grad)
 
