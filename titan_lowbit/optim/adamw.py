@@ -32,6 +32,7 @@ from .group_options import (
     checked_local_grad,
 )
 from .hyperparams import hyper_value
+from .master_start import take_start, write_start
 from .nonfinite import DeferredNonfiniteCheck, describe, precheck_launch, precheck_result
 from .second_moment import restore_second_moments
 from .state_dict import check_loadable, load_with_checks, require_state_dict
@@ -117,6 +118,8 @@ class LowBitAdamW(torch.optim.Optimizer):
         self._fixed: list[tuple] = []  # each group's FIXED_OPTIONS values when it was added
         # bf16 parameters whose fp32 master weights are taken at their first step (see _take_masters)
         self._master_pending: set[torch.Tensor] = set()
+        # fingerprints of the weights whose masters start from given fp32 values (start_masters_from)
+        self._master_offered: dict[torch.Tensor, torch.Tensor] = {}
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_format=state_format,
                         decoupled_weight_decay=decoupled_weight_decay, weight_update=weight_update,
                         block_size=block_size, min_quantized_numel=min_quantized_numel, amsgrad=amsgrad,
@@ -303,6 +306,7 @@ class LowBitAdamW(torch.optim.Optimizer):
                     dst.copy_(src)
             own["step"] = torch.tensor(step)
             self._master_pending.discard(p)  # a loaded master is kept
+            self._master_offered.pop(p, None)
         restore_second_moments((self._name(p), param_format(p, g)[0], {k: local(v) for k, v in self.state[p].items()
                                 if isinstance(v, torch.Tensor)}) for g in self.param_groups for p in g["params"])
         self._deferred.clear()  # the loaded state replaces what any unread step did
@@ -505,14 +509,32 @@ class LowBitAdamW(torch.optim.Optimizer):
                                  "group's optimizer states were created, which fixed it; set it back, or build "
                                  f"a new optimizer with {k}={now!r}")
 
+    def start_masters_from(self, masters: "dict[torch.Tensor, torch.Tensor]") -> None:
+        """Start the fp32 master weights of bf16 parameters (weight_update "master" or
+        "master_remainder") from the given fp32 values (local shards), e.g. the fp32
+        initialization the bf16 weights were rounded from, instead of from the weights
+        themselves: small early updates then move the rounded weights as they move an
+        fp32-weight run's bf16 cast (see ``master_start``). Each value must round to its
+        parameter's weight (to nearest, ties away from zero). They are kept at the
+        parameter's first step only if its weight has not changed since; a state dict
+        loaded before then replaces them."""
+        for p, master in masters.items():
+            if p not in self._names:
+                raise ValueError(f"start_masters_from: a parameter of shape {tuple(p.shape)} is not in this "
+                                 "optimizer; give master weights only for its own parameters")
+            group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+            self._master_offered[p] = write_start(p, group, self.state[p], master, self._name(p))
+            self._master_pending.add(p)
+
     def _take_masters(self, params: list[torch.Tensor]) -> None:
-        """Copy the parameters into their fp32 master weights at their first step, not at
+        """Take the parameters' fp32 master weights at their first step, not at
         construction: weights loaded after the optimizer was built (a model-only checkpoint,
         pretrained weights) would otherwise be overwritten by the stale copy. A master loaded
-        from a state dict is kept (load_state_dict takes it off the pending set)."""
+        from a state dict is kept (load_state_dict takes it off the pending set); one given
+        to ``start_masters_from`` is kept if the weight is unchanged (``master_start``)."""
         for p in params:
             if p in self._master_pending:
-                local(self.state[p]["master"]).copy_(local(p))
+                take_start(p, self.state[p], self._master_offered)
                 self._master_pending.discard(p)
 
     @staticmethod

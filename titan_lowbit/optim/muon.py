@@ -47,6 +47,7 @@ from .adamw import LowBitAdamW
 from .formats import param_format, weight_update_specs
 from .group_options import NONFINITE_POLICIES, SKIPPED, check_param, checked_local_grad
 from .hyperparams import hyper_value
+from .master_start import take_start, write_start
 from .muon_exchange import EXCHANGE_BUCKET_NUMEL, OwnerExchange, exchange_buckets, split_dims
 from .muon_groups import (
     DEFAULT_ADAMW_FQNS,
@@ -183,6 +184,7 @@ class LowBitMuon(torch.optim.Optimizer):
         self._order: dict[torch.Tensor, int] = {}
         self._fixed: list[Optional[tuple]] = []  # per group: Muon's MUON_FIXED_OPTIONS, None for AdamW's
         self._master_pending: set[torch.Tensor] = set()  # as LowBitAdamW._take_masters
+        self._master_offered: dict[torch.Tensor, torch.Tensor] = {}  # as LowBitAdamW.start_masters_from
         self._all_names: list[str] = []
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         ns_coefficients=ns_coefficients, matched_rms=matched_rms,
@@ -198,6 +200,23 @@ class LowBitMuon(torch.optim.Optimizer):
             if unmatched:
                 raise ValueError(f"adamw_fqns {unmatched} select no parameter (a fragment selects every name "
                                  f"that contains it; names look like {self._all_names[:6]}); fix or remove them")
+
+    def start_masters_from(self, masters: "dict[torch.Tensor, torch.Tensor]") -> None:
+        """As ``LowBitAdamW.start_masters_from``, for the Muon matrices and the parameters
+        of the inner AdamW alike."""
+        rest = {}
+        for p, master in masters.items():
+            if p not in self._names:
+                rest[p] = master
+                continue
+            group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+            self._master_offered[p] = write_start(p, group, self.state[p], master, self._names[p])
+            self._master_pending.add(p)
+        if rest:
+            if self._adamw is None:
+                raise ValueError(f"start_masters_from: {len(rest)} parameters are not in this optimizer; give "
+                                 "master weights only for its own parameters")
+            self._adamw.start_masters_from(rest)
 
     @property
     def adamw(self) -> Optional[LowBitAdamW]:
@@ -453,7 +472,7 @@ class LowBitMuon(torch.optim.Optimizer):
         pending, as LowBitAdamW does: weights loaded after construction count)."""
         state = self.state[p]
         if p in self._master_pending:
-            local(state["master"]).copy_(local(p))
+            take_start(p, state, self._master_offered)
             self._master_pending.discard(p)
         cfg, tensor = muon_tensor(p, group, state, tensor_key(self.seed, _MUON_KEY_OFFSET + self._order[p]))
         where = f"param group of '{self._names[p]}'"
@@ -641,6 +660,7 @@ class LowBitMuon(torch.optim.Optimizer):
                     dst.copy_(src)
             self.state[p]["step"] = torch.tensor(step)
             self._master_pending.discard(p)  # a loaded master is kept
+            self._master_offered.pop(p, None)
         self.skipped_steps = checked["skipped"]
 
 

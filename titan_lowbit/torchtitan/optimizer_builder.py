@@ -33,6 +33,7 @@ from torchtitan.tools.logging import logger
 
 from titan_lowbit.config import LowBit, lowbit_of
 from titan_lowbit.fqn_fragments import check_every_fragment_selects, selects
+from titan_lowbit.torchtitan.fp32_init import hand_init_masters
 from titan_lowbit.torchtitan.lowbit_optimizers import (
     FP32_ADAMW_STATE_BYTES,
     TORCH_OPTIMIZERS,
@@ -414,6 +415,7 @@ def wrap_build_optimizers(base_builder, config_of: Callable[[list[nn.Module]], o
             seed=job_config.debug.seed or 0,
             base_builder=base_builder,
         )
+        hand_init_masters(optimizers)
         logger.info(describe(optimizers, optimizer_config.name, lowbit, job_config.model.converters))
         return optimizers
 

@@ -7,8 +7,10 @@ one that returns the same spec with five builders wrapped:
 
 - ``parallelize_fn`` first refuses ``[lowbit] bitnet_*`` settings the job would ignore
   (``config.check_bitnet_keys``), applies ``[lowbit] weight_dtype`` to the (meta) model, so
-  FSDP2 shards and initializes parameters in that dtype, then runs torchtitan's own,
-  gives tensor-parallel BitNet layers their TP group (``enable_tensor_parallel``), and
+  FSDP2 shards and initializes parameters in that dtype, then runs torchtitan's own;
+  with bf16 weights and fp32 master weights it makes the model initialize in fp32 for the
+  masters to start from (:mod:`titan_lowbit.torchtitan.fp32_init`); it gives
+  tensor-parallel BitNet layers their TP group (``enable_tensor_parallel``), and
   remembers which JobConfig the model was built with;
 - ``build_optimizers_fn`` (see :mod:`titan_lowbit.torchtitan.optimizer_builder`) reads that
   JobConfig, because torchtitan passes it only the ``[optimizer]`` section;
@@ -37,6 +39,7 @@ from titan_lowbit.torchtitan import cpu_device, datasets
 from titan_lowbit.bitnet import enable_tensor_parallel
 from titan_lowbit.config import check_bitnet_keys, lowbit_of
 from titan_lowbit.kernels.private_apis import patch
+from titan_lowbit.torchtitan.fp32_init import wrap_init_weights
 from titan_lowbit.torchtitan.health_metrics import OptimizerHealthLogging
 from titan_lowbit.torchtitan.lr_schedule import wrap_build_lr_schedulers
 from titan_lowbit.torchtitan.optimizer_builder import wrap_build_optimizers
@@ -112,6 +115,7 @@ def wrap_parallelize(parallelize_fn):
         check_float8_with_bf16_weights(job_config, parallel_dims)
         apply_weight_dtype(model, job_config)
         model = parallelize_fn(model, parallel_dims, job_config, *args, **kwargs)
+        wrap_init_weights(model, lowbit_of(job_config).weight_update)
         if parallel_dims.tp_enabled:
             enable_tensor_parallel(model, parallel_dims.get_mesh("tp"))
         if cpu_device.is_enabled():
