@@ -13,12 +13,8 @@ from types import SimpleNamespace
 
 from titan_lowbit.config import LowBit
 from titan_lowbit.optim import LowBitMuon
-from titan_lowbit.torchtitan.checkpoint_layout import (
-    CheckpointMismatch,
-    UnrecordedOptions,
-    check_compatible,
-    unrecorded_entries,
-)
+from titan_lowbit.torchtitan.checkpoint_layout import CheckpointMismatch, check_compatible
+from titan_lowbit.torchtitan.unrecorded_options import UnrecordedOptions, unrecorded_entries
 from titan_lowbit.torchtitan.optimizer_builder import describe, valid_optimizer_names
 
 from optimizer_container_cases import Container, Tiny, build, step
