@@ -53,6 +53,9 @@ def test_muon_names_build_lowbit_muon_with_the_optimizer_and_lowbit_settings():
     opt = only(build(model, "Muon8bit", muon_momentum=0.9, muon_adamw_fqns=["tok_embeddings"]))
     assert opt.param_groups[0]["momentum"] == 0.9
     assert only(build(model, "Muon4bit", muon_4bit_levels="dynamic")).param_groups[0]["momentum_4bit_levels"] == "dynamic"
+    fp32_wq = only(build(model, "Muon4bit", muon_4bit_levels="dynamic", fp32_states=["wq.weight"]))
+    assert [(g["state_format"], g["momentum_4bit_levels"]) for g in fp32_wq.param_groups if g["use_muon"]] == [
+        ("fp32", "dynamic")]  # its one matrix keeps an fp32 momentum; the levels wait unused
     assert split(opt)["output.weight"] is True and split(opt)["tok_embeddings.weight"] is False
     # fp32_states: the selected parameters' Muon momentum and AdamW moments in fp32
     opt = only(build(model, "Muon8bit", fp32_states=["tok_embeddings", "wq.weight"]))

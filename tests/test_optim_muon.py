@@ -157,6 +157,9 @@ def test_params_split_by_shape_and_name():
     (lambda lin: LowBitMuon(lin.parameters(), state_format="8bit", momentum_4bit_levels="dynamic"),
      "sets the levels of a 4-bit momentum, but state_format='8bit'"),
     (lambda lin: LowBitMuon([lin.bias], adamw_options={"momentum_4bit_levels": "dynamic"}), "on LowBitMuon itself"),
+    (lambda lin: LowBitMuon([{"params": [lin.weight], "use_muon": True, "state_format": "fp8",
+                              "momentum_4bit_levels": "dynamic"}], state_format="4bit"),
+     "param group 0: momentum_4bit_levels='dynamic' sets the levels of a 4-bit momentum, but state_format='fp8'"),
     (lambda lin: LowBitMuon(lin.parameters(), adamw_options={"seed": 3}), "on LowBitMuon itself"),
     (lambda lin: LowBitMuon(lin.parameters(), adamw_options={"betaz": 3}), "not LowBitAdamW keywords"),
     (lambda lin: LowBitMuon([lin.weight, lin.weight]), "listed twice"),
@@ -316,6 +319,10 @@ def test_4bit_momentum_is_coded_in_the_levels_asked_for(levels, codec):
     ref_model, ref = one_step(state_format="fp32")
     model, opt = one_step(state_format="4bit", **({} if levels == "nf4" else {"momentum_4bit_levels": levels}))
     assert opt.param_groups[0]["momentum_4bit_levels"] == levels
+    # a group of another format beside them only inherits the option (fp32_states' groups)
+    other = _bf16_lin()
+    LowBitMuon([{"params": [other[0].weight]}, {"params": [other[2].weight], "state_format": "fp32"}],
+               state_format="4bit", momentum_4bit_levels=levels)
     for p, q in zip(model.parameters(), ref_model.parameters()):
         if p.dim() == 2:
             state = opt.state[p]

@@ -124,8 +124,9 @@ class LowBit:
     muon_4bit_levels: Momentum4bitLevels = _MUON_DEFAULTS["momentum_4bit_levels"]
     """The levels of Muon4bit's momentum codes: "nf4" (QLoRA's NormalFloat4 levels) or
     "dynamic" (the dynamic map of AdamW4bit's first moment, which Muon4bit's inner AdamW
-    keeps). With NF4 levels Muon4bit ends closer to fp32 Muon (docs/muon.md). A Muon4bit checkpoint that records no levels was written with
-    "dynamic": resume it with that value. Refused with the other names."""
+    keeps). With NF4 levels Muon4bit ends closer to fp32 Muon (docs/muon.md). A Muon4bit
+    checkpoint that records no levels was written with "dynamic": resume it with that
+    value. Refused with the other names."""
 
     muon_adamw_fqns: list[str] = field(default_factory=lambda: list(MUON_DEFAULT_ADAMW_FQNS))
     """Fully-qualified-name fragments of the 2-D parameters that a Muon name steps with its

@@ -57,6 +57,7 @@ from .muon_groups import (
     MUON_ONLY_OPTIONS,
     SHARED_OPTIONS,
     USE_MUON,
+    check_levels_asked,
     check_muon_group,
     check_muon_param,
     momentum_codec,
@@ -165,6 +166,7 @@ class LowBitMuon(torch.optim.Optimizer):
             raise ValueError(f"adamw_options {own or unknown}: " + (
                 "set these on LowBitMuon itself (they are the whole optimizer's or Muon's)" if own else
                 f"not LowBitAdamW keywords; it takes {sorted(_ADAMW_DEFAULTS)}"))
+        check_levels_asked({MOMENTUM_4BIT_LEVELS: momentum_4bit_levels}, state_format, "LowBitMuon")
         if isinstance(exchange_bucket_numel, bool) or not isinstance(exchange_bucket_numel, int) \
                 or exchange_bucket_numel < 1:
             raise ValueError(f"exchange_bucket_numel={exchange_bucket_numel!r}: use an int >= 1 (elements)")
@@ -287,6 +289,7 @@ class LowBitMuon(torch.optim.Optimizer):
             if flag:
                 muon_group = {**self.defaults, **muon_options, USE_MUON: True, SKIPPED: count,
                               "params": [params[i] for i in idx]}
+                check_levels_asked(muon_options, muon_group["state_format"], f"param group {gi}")
                 if names is not None:
                     muon_group["param_names"] = [names[i] for i in idx]
                 check_muon_group(muon_group, f"param group {gi}")

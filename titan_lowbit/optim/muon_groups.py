@@ -101,7 +101,15 @@ def check_muon_group(group: dict[str, Any], where: str) -> None:
     levels = group[MOMENTUM_4BIT_LEVELS]
     if levels not in MOMENTUM_4BIT_CODECS:
         raise ValueError(f"{where}: {MOMENTUM_4BIT_LEVELS}={levels!r}; choose one of {list(MOMENTUM_4BIT_CODECS)}")
-    if levels != DEFAULT_MOMENTUM_4BIT_LEVELS and group["state_format"] != "4bit":
-        raise ValueError(f"{where}: {MOMENTUM_4BIT_LEVELS}={levels!r} sets the levels of a 4-bit momentum, but "
-                         f"state_format={group['state_format']!r}: use state_format='4bit', or remove it")
     check_skipped(group, where)
+
+
+def check_levels_asked(options: dict[str, Any], state_format: str, where: str) -> None:
+    """Refuse ``momentum_4bit_levels`` set to other than its default in ``options`` (the
+    optimizer's arguments, or a param group as given) whose state format
+    ``state_format`` is not "4bit": it would be ignored. A group that only inherits the
+    option (e.g. one of fp32 states beside 4-bit ones) keeps it for nothing, harmlessly."""
+    levels = options.get(MOMENTUM_4BIT_LEVELS, DEFAULT_MOMENTUM_4BIT_LEVELS)
+    if levels != DEFAULT_MOMENTUM_4BIT_LEVELS and state_format != "4bit":
+        raise ValueError(f"{where}: {MOMENTUM_4BIT_LEVELS}={levels!r} sets the levels of a 4-bit momentum, but "
+                         f"state_format={state_format!r}: use state_format='4bit', or remove it")
