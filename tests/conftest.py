@@ -272,6 +272,13 @@ def run_train(*overrides: str, config: Path = DEBUG_CONFIG, nproc: int = 2, time
     return proc
 
 
+# Smaller steps than the debug config's 4 sequences of 256 tokens per rank, for runs whose
+# assertions are about the parallelism and the checkpoints rather than how fast the loss
+# falls (each rank's share of a 4-process run costs as much CPU as a 2-process rank's):
+# 2 sequences of 128 tokens per rank. The flags are the same on torchtitan 0.2 and 0.3.
+SMALL_STEPS = ("--training.local_batch_size", "2", "--training.seq_len", "128")
+
+
 def stopped_run(*overrides: str, nproc: int = 2) -> str:
     """Output of a train.sh run that must stop before its first training step."""
     proc = run_train(*overrides, nproc=nproc, check=False)

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from conftest import ROOT, run_train, step_losses
+from conftest import ROOT, SMALL_STEPS, run_train, step_losses
 
 pytestmark = pytest.mark.trainer  # every test here runs torchtitan's Trainer
 
@@ -18,7 +18,7 @@ CONFIG = ROOT / "train_configs" / "llama3_debug_bitnet.toml"
 def test_bitnet_trains_checkpoints_and_resumes(tmp_path):
     common = ("--model.converters", "bitnet_subln,bitnet", "--activation_checkpoint.mode", "full",
               "--validation.no-enable", "--checkpoint.enable", "--checkpoint.interval", "2",
-              "--training.local_batch_size", "2", "--training.seq_len", "128",
+              *SMALL_STEPS,
               "--job.dump_folder", str(tmp_path))
     first = run_train("--training.steps", "3", *common, config=CONFIG)
     losses = {s: float(v) for s, v in step_losses(first.stdout + first.stderr).items()}
@@ -45,7 +45,7 @@ def test_kept_codes_train_and_resume_bit_identically(tmp_path):
     def common(dump, *extra):
         return ("--model.converters", "bitnet_subln,bitnet", "--activation_checkpoint.mode", "full",
                 "--validation.no-enable", "--checkpoint.enable", "--checkpoint.interval", "2",
-                "--training.local_batch_size", "2", "--training.seq_len", "128",
+                *SMALL_STEPS,
                 "--training.steps", "4", "--job.dump_folder", str(dump), *extra)
 
     kept = tmp_path / "kept"

@@ -6,7 +6,7 @@ standard library, another text under each Python version.)"""
 
 import pytest
 
-from conftest import run_train, step_losses
+from conftest import SMALL_STEPS, run_train, step_losses
 
 pytestmark = pytest.mark.trainer  # every test here runs torchtitan's Trainer
 
@@ -20,7 +20,7 @@ LOSS_TOL = 2e-3
 
 
 def train(tmp_path, *overrides, nproc=2, check=True):
-    return run_train("--training.steps", str(STEPS), "--validation.no-enable",
+    return run_train("--training.steps", str(STEPS), "--validation.no-enable", *SMALL_STEPS,
                      "--lr_scheduler.total_steps", "8", "--job.dump_folder", str(tmp_path),
                      *overrides, nproc=nproc, check=check)
 

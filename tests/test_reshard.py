@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from conftest import (DEBUG_CONFIG, ROOT, SAVE_STEP, cpu_run_env, reshard_check, resume_folder,
-                      run_train, step_losses, torchrun)
+from conftest import (DEBUG_CONFIG, ROOT, SAVE_STEP, SMALL_STEPS, cpu_run_env, reshard_check,
+                      resume_folder, run_train, step_losses, torchrun)
 
 pytestmark = pytest.mark.trainer  # every test here runs torchtitan's Trainer
 
@@ -108,7 +108,7 @@ def test_checkpoint_from_four_processes_reshards_into_two(tmp_path, prepared_dat
                  "--lowbit.weight_update", "stochastic", "--validation.no-enable",
                  "--checkpoint.enable", "--checkpoint.interval", "2",
                  "--job.dump_folder", str(dump))
-    run_train(*overrides, "--training.steps", "2", nproc=4)
+    run_train(*overrides, *SMALL_STEPS, "--training.steps", "2", nproc=4)
     argv = ["--job.config_file", str(DEBUG_CONFIG), *overrides,
             "--checkpoint.exclude_from_loading", "dataloader"]
     check = reshard_check(2, str(dump / "checkpoint"), "2",
@@ -137,7 +137,7 @@ def test_fsdp_x_tp_checkpoint_loads_into_fsdp_only(two_process_checkpoint, tmp_p
     _, _, overrides = two_process_checkpoint
     dump = tmp_path / "two_d"
     overrides = (*overrides, "--job.dump_folder", str(dump), "--checkpoint.interval", "2")
-    run_train(*overrides, *TWO_D, "--training.steps", "2", nproc=4)
+    run_train(*overrides, *TWO_D, *SMALL_STEPS, "--training.steps", "2", nproc=4)
     argv = ["--job.config_file", str(DEBUG_CONFIG), *overrides,
             "--checkpoint.exclude_from_loading", "dataloader"]
     check = reshard_check(2, str(dump / "checkpoint"), "2",

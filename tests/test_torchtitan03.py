@@ -41,7 +41,7 @@ if torchtitan_line() != (0, 3):
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
-from conftest import ROOT, check_health_reported, cpu_run_env, step_losses, torchrun  # noqa: E402
+from conftest import ROOT, SMALL_STEPS, check_health_reported, cpu_run_env, step_losses, torchrun  # noqa: E402
 from torchtitan.components.metrics import MetricsProcessor  # noqa: E402
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig, default_adamw  # noqa: E402
 from torchtitan.components.optimizer.utils import init_optim_state  # noqa: E402
@@ -857,7 +857,7 @@ def test_bitnet_with_subln_trains_with_4bit_states_and_stochastic_rounding_throu
     rounding by the lowbit_adamw override (on the command line, as a user writes it)."""
     override = json.dumps({"name": "AdamW4bit", "weight_update": "stochastic"})
     log = train_run(tmp_path, "--override.imports", f"titan_lowbit.torchtitan.v03.lowbit_adamw={override}",
-                    config="llama3_debug_bitnet_subln", steps=6)
+                    *SMALL_STEPS, config="llama3_debug_bitnet_subln", steps=6)
     assert "titan_lowbit 4bit states, weights bfloat16, bf16 update stochastic" in log
     losses = step_losses(log)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6], losses
@@ -866,12 +866,13 @@ def test_bitnet_with_subln_trains_with_4bit_states_and_stochastic_rounding_throu
 
 @pytest.mark.trainer
 def test_bitnet_trains_and_resumes_bit_for_bit(tmp_path, prepared_data):
-    straight = train_run(tmp_path / "a", *CHECKPOINT, config="llama3_debug_bitnet")
+    straight = train_run(tmp_path / "a", *CHECKPOINT, *SMALL_STEPS, config="llama3_debug_bitnet")
     import re
 
     (count,) = set(re.findall(r"BitNet linears (\d+)", straight))
     assert int(count) == 6 * 5  # debug model: 6 layers x (fused wqkv, wo, w1, w2, w3)
-    _, again = resumed_from(tmp_path / "a", 4, *CHECKPOINT, config="llama3_debug_bitnet", folder=tmp_path / "b")
+    _, again = resumed_from(tmp_path / "a", 4, *CHECKPOINT, *SMALL_STEPS, config="llama3_debug_bitnet",
+                            folder=tmp_path / "b")
     a, b = step_losses(straight), step_losses(again)
     assert float(a[8]) < float(a[1]) - 0.3, a
     assert {s: b[s] for s in range(5, 9)} == {s: a[s] for s in range(5, 9)}
@@ -880,11 +881,6 @@ def test_bitnet_trains_and_resumes_bit_for_bit(tmp_path, prepared_data):
 # ------------------------------------------------------------------------------------------
 # torchtitan's other meshes, async checkpoints and the Hugging Face export, on 4 processes
 # ------------------------------------------------------------------------------------------
-# Smaller steps than the 2-process runs' (each rank's share of a 4-process run costs as
-# much CPU as a 2-process rank's): 2 sequences of 128 tokens per rank.
-SMALL_STEPS = ["--training.local_batch_size", "2", "--training.seq_len", "128"]
-
-
 def hf_export_as_torchtitan(folder, config):
     """The model of a Hugging Face export (``--checkpoint.last_save_in_hf``) in ``folder``,
     in torchtitan's names (the config's own state-dict adapter)."""

@@ -26,7 +26,7 @@ from titan_lowbit.torchtitan.lr_schedule import SCHEDULE_FILE
 
 pytestmark = pytest.mark.trainer  # every test here runs torchtitan's Trainer
 
-STEPS = 6
+STEPS = 4
 HALF = STEPS // 2
 
 # (optimizer name, [lowbit] weight_dtype, [lowbit] weight_update, [lowbit] fp32_states, more
@@ -45,7 +45,7 @@ VARIANTS = [
     ("AdamW8bit", "bfloat16", "stochastic", "tok_embeddings,output", ()),
     ("AdamW4bit", "bfloat16", "master", "", ()),
     # Muon's 8-bit momentum, its inner AdamW's moments. Its update's RMS is AdamW's settled
-    # one (0.2 lr), below AdamW's first steps (about lr): a larger lr falls as far in 6 steps.
+    # one (0.2 lr), below AdamW's first steps (about lr): a larger lr falls as far in STEPS steps.
     ("Muon8bit", "bfloat16", "stochastic", "", ("--optimizer.lr", "1e-2")),
 ]
 FP32_STATES_LINE = re.compile(r"fp32 states for (\d+) params, [0-9.]+% of the elements, by \[lowbit\] fp32_states")
