@@ -20,7 +20,9 @@ plugs in at those points, without touching torchtitan's module state:
   ``Linear`` configs whose FQN matches its globs (default: every linear of the
   transformer layers, so the output head stays in high precision).
 - :class:`LowBitTrainer` is torchtitan's ``Trainer`` that also takes the CPU path where
-  there is no GPU (gloo, the kernels' PyTorch references), refuses what would not work,
+  there is no GPU (gloo, the kernels' PyTorch references), initializes bf16 weights whose
+  param group keeps fp32 master weights in fp32 and starts the masters from that init
+  (:mod:`titan_lowbit.torchtitan.fp32_init`), refuses what would not work,
   precomputes the sharded BitNet weights' scales after each optimizer step with one
   all-reduce, checks a checkpoint's optimizer layout before loading it and hands async
   saves optimizer states torch can stage (:class:`CheckedCheckpointManager`), and logs one
