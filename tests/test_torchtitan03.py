@@ -4,8 +4,8 @@ Runs where torchtitan 0.3 is installed (CI's second environment, README "torchti
 with torchtitan 0.2 installed the 0.2 integration's tests run instead and this module is
 skipped. In-process: the optimizer container (titan_lowbit's names as param-group
 optimizer names, mixed with torch's AdamW), its refusals, torchtitan's zero-gradient
-initialisation step, the overrides, the BitNet converter and the optimizer health
-metrics processor. End to end, on 2 gloo processes through ``torchrun -m
+initialisation step, the fp32 initialization that master weights start from, the
+overrides, the BitNet converter and the optimizer health metrics processor. End to end, on 2 gloo processes through ``torchrun -m
 torchtitan.train`` (the ranks forked from the session's server, tests/fork_launcher.py,
 as for the 0.2 line's runs; README's command and the refused start-up through real
 torchrun): the ready debug config from README's command; the debug config with three
