@@ -155,10 +155,13 @@ PRIVATE_USES = (
     PrivateUse(
         "torchtitan", ("titan_lowbit/torchtitan/v03.py",),
         ("torchtitan.components.optimizer.OptimizersContainer._resolve_optimizer_factory",
+         "torchtitan.components.optimizer.OptimizersContainer._build_param_groups",
          "Module._sharding_config"),
         "torchtitan 0.3: titan_lowbit's optimizer names valid as param-group optimizer names "
         "(0.3 reads its name -> optimizer table there and nowhere else, overridden in a "
-        "subclass); a SubLN input norm sharded like torchtitan's block norms",
+        "subclass); which parameters the container will give a param group that keeps fp32 "
+        "master weights, by torchtitan's own assignment, before the model initializes "
+        "(fp32 init of those weights); a SubLN input norm sharded like torchtitan's block norms",
         None),
     PrivateUse(
         "torch", ("titan_lowbit/torchtitan/cpu_device.py",),

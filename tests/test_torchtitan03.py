@@ -4,8 +4,8 @@ Runs where torchtitan 0.3 is installed (CI's second environment, README "torchti
 with torchtitan 0.2 installed the 0.2 integration's tests run instead and this module is
 skipped. In-process: the optimizer container (titan_lowbit's names as param-group
 optimizer names, mixed with torch's AdamW), its refusals, torchtitan's zero-gradient
-initialisation step, the overrides, the BitNet converter and the optimizer health
-metrics processor. End to end, on 2 gloo processes through ``torchrun -m
+initialisation step, the fp32 initialization that master weights start from, the
+overrides, the BitNet converter and the optimizer health metrics processor. End to end, on 2 gloo processes through ``torchrun -m
 torchtitan.train`` (the ranks forked from the session's server, tests/fork_launcher.py,
 as for the 0.2 line's runs; README's command and the refused start-up through real
 torchrun): the ready debug config from README's command; the debug config with three
@@ -237,6 +237,92 @@ def test_state_dict_round_trip_resumes_bit_for_bit(name, weight_update):
     resumed.load_state_dict({k: v for k, v in saved.items() if "." in k})
     train(second, resumed, 3, start=3)
     assert_same(snapshot(second, resumed), snapshot(ref_model, ref))
+
+
+def _debug_model(dtype, optimizer=None, seed=0):
+    """A 1-layer llama3 debug model (vocabulary 256) as torchtitan's Trainer builds it: on the meta device in
+    the training dtype, parallelized (an identity here) through LowBitTrainer's wrapper of a
+    run with ``optimizer`` (None: not wrapped), materialized and initialized."""
+    from torchtitan.models.llama3 import model_registry
+    from torchtitan.tools.utils import set_default_dtype
+
+    config = model_registry("debugmodel").model
+    config.layers = config.layers[:1]
+    config.vocab_size = config.tok_embeddings.num_embeddings = config.lm_head.out_features = 256
+    with torch.device("meta"), set_default_dtype(dtype):
+        model = config.build()
+    if optimizer is not None:
+        parallelize = v03._wrap_parallelize(lambda m, **kwargs: m, False, types.SimpleNamespace(optimizer=optimizer))
+        model = parallelize(model, parallel_dims=types.SimpleNamespace(tp=1))
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model
+
+
+def _init_optimizer(weight_update):
+    """AdamW8bit for the matrices (fp32 states through min_quantized_numel: a cheap step),
+    torch's AdamW made titan_lowbit's by the update for the embedding, and in that same
+    optimizer the norms with round-to-nearest, which keeps no masters."""
+    kw = {"lr": 0.0, "weight_decay": 0.0, "weight_update": weight_update}
+    return v03.LowBitOptimizersContainer.Config(param_groups=[
+        ParamGroupConfig(pattern=r"norm", optimizer_name="AdamW", optimizer_kwargs={"lr": 0.0, "weight_decay": 0.0}),
+        ParamGroupConfig(pattern=r"tok_embeddings", optimizer_name="AdamW", optimizer_kwargs=kw),
+        ParamGroupConfig(pattern=r".*", optimizer_name="AdamW8bit", optimizer_kwargs={**kw, "min_quantized_numel": 2**30}),
+    ])
+
+
+def _masters(opts) -> dict[torch.Tensor, torch.Tensor]:
+    from titan_lowbit.kernels.adamw_lowbit_ref import master_rebuild
+
+    out = {}
+    for opt in opts:
+        for p, state in opt.state.items():
+            if "master" in state:
+                out[p] = state["master"]
+            elif "master_remainder" in state:
+                out[p] = master_rebuild(p.detach(), state["master_remainder"])
+    return out
+
+
+@pytest.mark.parametrize("update", ["master", "master_remainder"])
+def test_bf16_weights_with_master_updates_initialize_in_fp32_and_the_masters_start_there(update):
+    """``--training.dtype bfloat16`` with a master update: each model part initializes the
+    weights of the groups that keep masters in fp32, each such bf16 weight is that init's
+    rounding (to nearest, ties away), and each master is the fp32 init bit for bit, at
+    the container's construction and after the first step; the fp32 values are then let
+    go. Two model parts, as under pipeline parallelism."""
+    from titan_lowbit.kernels.adamw_lowbit_ref import master_split
+    from titan_lowbit.torchtitan import fp32_init
+
+    config = _init_optimizer(update)
+    parts = [_debug_model(torch.bfloat16, config, seed) for seed in (0, 1)]
+    fp32 = [dict(_debug_model(torch.float32, seed=seed).named_parameters()) for seed in (0, 1)]
+    opt = config.build(model_parts=parts)
+    assert not fp32_init._INIT_MASTERS
+    for part in parts:
+        for p in part.parameters():
+            p.grad = torch.zeros_like(p)
+    for after_step in (False, True):
+        masters = _masters(opt)
+        for part, init in zip(parts, fp32):
+            for name, p in part.named_parameters():
+                if "norm" in name:  # round-to-nearest, no master: torchtitan's bf16 init (ones)
+                    assert p not in masters and torch.equal(p, torch.ones_like(p)), name
+                    continue
+                assert torch.equal(p.detach().view(torch.int16), master_split(init[name].detach())[0].view(torch.int16)), name
+                assert torch.equal(masters[p].view(torch.int32), init[name].detach().view(torch.int32)), (name, after_step)
+        opt.step()
+    assert any(master_split(m)[1].any() for m in masters.values())  # not on the bf16 grid
+
+
+def test_bf16_weights_without_master_updates_initialize_in_bf16():
+    config = _init_optimizer("stochastic")
+    model = _debug_model(torch.bfloat16, config)
+    assert "init_weights" not in vars(model)
+    for (name, p), q in zip(model.named_parameters(), _debug_model(torch.bfloat16).parameters()):
+        assert torch.equal(p.view(torch.int16), q.view(torch.int16)), name
 
 
 def test_refusals_name_the_setting():

@@ -39,6 +39,7 @@ from titan_lowbit.torchtitan import cpu_device, datasets
 from titan_lowbit.bitnet import enable_tensor_parallel
 from titan_lowbit.config import check_bitnet_keys, lowbit_of
 from titan_lowbit.kernels.private_apis import patch
+from titan_lowbit.optim.master_start import MASTER_UPDATES
 from titan_lowbit.torchtitan.fp32_init import wrap_init_weights
 from titan_lowbit.torchtitan.health_metrics import OptimizerHealthLogging
 from titan_lowbit.torchtitan.lr_schedule import wrap_build_lr_schedulers
@@ -115,7 +116,8 @@ def wrap_parallelize(parallelize_fn):
         check_float8_with_bf16_weights(job_config, parallel_dims)
         apply_weight_dtype(model, job_config)
         model = parallelize_fn(model, parallel_dims, job_config, *args, **kwargs)
-        wrap_init_weights(model, lowbit_of(job_config).weight_update)
+        if lowbit_of(job_config).weight_update in MASTER_UPDATES:
+            wrap_init_weights(model)
         if parallel_dims.tp_enabled:
             enable_tensor_parallel(model, parallel_dims.get_mesh("tp"))
         if cpu_device.is_enabled():

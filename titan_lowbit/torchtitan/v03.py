@@ -20,7 +20,9 @@ plugs in at those points, without touching torchtitan's module state:
   ``Linear`` configs whose FQN matches its globs (default: every linear of the
   transformer layers, so the output head stays in high precision).
 - :class:`LowBitTrainer` is torchtitan's ``Trainer`` that also takes the CPU path where
-  there is no GPU (gloo, the kernels' PyTorch references), refuses what would not work,
+  there is no GPU (gloo, the kernels' PyTorch references), initializes bf16 weights whose
+  param group keeps fp32 master weights in fp32 and starts the masters from that init
+  (:mod:`titan_lowbit.torchtitan.fp32_init`), refuses what would not work,
   precomputes the sharded BitNet weights' scales after each optimizer step with one
   all-reduce, checks a checkpoint's optimizer layout before loading it and hands async
   saves optimizer states torch can stage (:class:`CheckedCheckpointManager`), and logs one
@@ -70,7 +72,9 @@ from titan_lowbit.bitnet.converter import convert_to_bitnet
 from titan_lowbit.bitnet.linear import BitNetLinear as _BitNetForward
 from titan_lowbit.bitnet.weight import local_training_weight, precompute_scales
 from titan_lowbit.kernels.private_apis import private_api_ok
+from titan_lowbit.optim.master_start import MASTER_UPDATES
 from titan_lowbit.torchtitan import cpu_device, datasets
+from titan_lowbit.torchtitan.fp32_init import hand_init_masters, wrap_init_weights
 from titan_lowbit.torchtitan.health_metrics import OptimizerHealthLogging, lowbit_optimizers
 from titan_lowbit.torchtitan.lowbit_optimizers import (
     FP32_ADAMW_STATE_BYTES,
@@ -235,6 +239,7 @@ class LowBitOptimizersContainer(OptimizersContainer):
         super().__init__(replace(config, optimizer_factory_kwargs_by_name=factory_kwargs),
                          model_parts=model_parts)
         check_muon_skip(self.optimizers, self._optimizer_name)
+        hand_init_masters(self.optimizers)  # the fp32 init of the master weights (master_weight_params)
         if config.implementation != "fused" and any(is_lowbit(o) for o in self.optimizers):
             logger.info(f"titan_lowbit: optimizer implementation = {config.implementation!r} applies to "
                         "torch's optimizers; titan_lowbit's run their own fused kernel")
@@ -762,7 +767,32 @@ def _bitnet_params(model_parts) -> list[nn.Parameter]:
     return [p for m in model_parts for p in m.parameters() if local_training_weight(p) is not None]
 
 
-def _wrap_parallelize(parallelize_fn, on_cpu: bool):
+def keeps_masters(optimizer_config) -> bool:
+    """Whether a param group of ``optimizer_config`` (a LowBitOptimizersContainer's)
+    keeps fp32 master weights: weight_update master or master_remainder under an
+    optimizer name titan_lowbit builds (its own, or torch's Adam/AdamW, which such an
+    update makes LowBitAdamW)."""
+    return isinstance(optimizer_config, LowBitOptimizersContainer.Config) and any(
+        pg.optimizer_name in {*lowbit_names(), *TORCH_OPTIMIZERS}
+        and pg.optimizer_kwargs.get("weight_update") in MASTER_UPDATES for pg in optimizer_config.param_groups)
+
+
+def master_weight_params(model: nn.Module, optimizer_config) -> list[nn.Parameter]:
+    """The bf16 parameters of ``model`` (one model part) that ``optimizer_config``'s
+    container will put in a param group keeping fp32 master weights, by torchtitan's own
+    assignment of parameters to groups (first matching pattern)."""
+    groups, _ = OptimizersContainer._build_param_groups(model, optimizer_config.param_groups, {})
+    names = {*lowbit_names(), *TORCH_OPTIMIZERS}
+    return [p for name, name_groups in groups.items() if name in names for group in name_groups
+            if group.get("weight_update") in MASTER_UPDATES for p in group["params"] if p.dtype == torch.bfloat16]
+
+
+def _wrap_parallelize(parallelize_fn, on_cpu: bool, trainer_config):
+    """torchtitan's ``parallelize_fn`` for one model part, then: with bf16 weights whose
+    param groups keep fp32 master weights (``keeps_masters`` of ``trainer_config.optimizer``,
+    read here, after torchtitan applied the overrides), the part initializes those weights
+    in fp32 and the masters start from that init (:mod:`.fp32_init`; the container takes
+    them when built); on the CPU path, gloo's reductions."""
     @functools.wraps(parallelize_fn)
     def parallelize(model, *args, parallel_dims, **kwargs):
         if parallel_dims.tp > 1 and _bitnet_params([model]):
@@ -772,6 +802,9 @@ def _wrap_parallelize(parallelize_fn, on_cpu: bool):
                 "(data_parallel_shard_degree), or torchtitan 0.2.x, where BitNet x TP is tested."
             )
         model = parallelize_fn(model, *args, parallel_dims=parallel_dims, **kwargs)
+        optimizer_config = trainer_config.optimizer
+        if keeps_masters(optimizer_config):
+            wrap_init_weights(model, functools.partial(master_weight_params, optimizer_config=optimizer_config))
         if on_cpu:
             cpu_device.use_gloo_reductions(model)
         return model
@@ -875,7 +908,7 @@ class LowBitTrainer(Trainer):
                     "name (and removes the block norms that have one): --checkpoint.last_save_in_hf "
                     "would fail at the last save. Leave it off (the DCP checkpoint keeps everything).")
         if spec is not None and not getattr(spec.parallelize_fn, "titan_lowbit_wrapped", False):
-            config.model_spec = replace(spec, parallelize_fn=_wrap_parallelize(spec.parallelize_fn, on_cpu))
+            config.model_spec = replace(spec, parallelize_fn=_wrap_parallelize(spec.parallelize_fn, on_cpu, config))
         if type(config.checkpoint) is CheckpointManager.Config:
             config.checkpoint = derive(config.checkpoint, CheckedCheckpointManager.Config)
         if isinstance(config.optimizer, LowBitOptimizersContainer.Config) and config.optimizer.seed is None:
