@@ -45,7 +45,7 @@ def _trained(fmt, update, dtype=torch.bfloat16, steps=3, device="cpu", **kw):
 def _decoded(codes, absmax, codec, block, cols):
     """A quantized moment in float64 through the code book: value(code) * absmax of its block."""
     c = codes.reshape(codes.shape[0] if codes.dim() > 1 else 1, -1).view(torch.uint8).long()
-    if codec in (Q.CODEC_DYN4_SIGNED, Q.CODEC_LIN4_NOZERO):
+    if codec in Q.PACKED_4BIT_CODECS:
         c = torch.stack([c & 15, c >> 4], dim=-1).reshape(c.shape[0], -1)
     c = c[:, :cols]
     scale = absmax.reshape(c.shape[0], -1).double().repeat_interleave(block, dim=1)[:, :cols]
