@@ -22,7 +22,7 @@ import math
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from titan_lowbit.kernels.adamw_interface import UPDATE_NEAREST, WEIGHT_UPDATES
 from titan_lowbit.kernels import muon_lowbit
@@ -34,6 +34,7 @@ from titan_lowbit.kernels.muon_ref import (
     MuonHyper,
     MuonTensor,
     finite,
+    initial_col_factor,
     momentum_and_input,
     muon_step_reference,
     new_weight,
@@ -51,15 +52,20 @@ from .master_start import take_start, write_start
 from .muon_exchange import EXCHANGE_BUCKET_NUMEL, OwnerExchange, exchange_buckets, split_dims
 from .muon_groups import (
     DEFAULT_ADAMW_FQNS,
+    DEFAULT_MOMENTUM_4BIT_FACTOR_RANK,
     DEFAULT_MOMENTUM_4BIT_LEVELS,
+    MOMENTUM_4BIT_FACTOR_RANK,
     MOMENTUM_4BIT_LEVELS,
     MUON_FIXED_OPTIONS,
     MUON_ONLY_OPTIONS,
     SHARED_OPTIONS,
+    UNRECORDED_MUON_OPTIONS,
     USE_MUON,
-    check_levels_asked,
+    check_4bit_options_asked,
+    check_factor_param,
     check_muon_group,
     check_muon_param,
+    factor_rank,
     momentum_codec,
     muon_fixed_value,
     suits_muon,
@@ -74,6 +80,11 @@ _ADAMW_DEFAULTS = {k: v.default for k, v in inspect.signature(LowBitAdamW.__init
                    if v.default is not inspect.Parameter.empty}
 # The momentum's state entry (torch.optim.Muon's name); quantized: "_codes" and "_absmax".
 MOMENTUM = "momentum_buffer"
+# The factor beside a 4-bit momentum (momentum_4bit_factor_rank): P [rows, k] and R
+# [cols, k], and the parameter dimension each follows (its DTensor placements: P is
+# sharded as the parameter's rows are, R as its columns).
+ROW_FACTOR, COL_FACTOR = f"{MOMENTUM}_row_factor", f"{MOMENTUM}_col_factor"
+FACTOR_DIMS = {ROW_FACTOR: 0, COL_FACTOR: 1}
 # Stochastic-rounding keys of Muon's matrices: their position among the Muon parameters
 # plus this, apart from the inner AdamW's keys (positions among its parameters).
 _MUON_KEY_OFFSET = 1 << 30
@@ -103,6 +114,13 @@ class LowBitMuon(torch.optim.Optimizer):
             NormalFloat4; the default) or "dynamic" (the dynamic map of the "4bit"
             format's first moment, which its inner AdamW keeps). Other formats refuse a
             value but the default.
+        momentum_4bit_factor_rank: k > 0: a "4bit" momentum keeps a bf16 factor P R^T of
+            rank min(k, rows, cols) beside its codes, which hold only the residual; the
+            factor is renewed from the new momentum at every step (one subspace iteration:
+            two thin QRs and a few ``[rows, cols] x k`` products per matrix) and costs
+            2 k (rows + cols) bytes per matrix (``kernels.muon_ref``). 0 (the default): no
+            factor. Not yet on CUDA (the fused kernels have none) nor for matrices sharded
+            over several ranks: those are refused. Other formats refuse a value but 0.
         weight_update, block_size, min_quantized_numel, seed, nonfinite_grad: as in
             ``LowBitAdamW``, for both parts. ``nonfinite_grad="raise"``: a matrix whose
             new momentum or weight would hold an inf/nan keeps both unwritten and the step
@@ -146,6 +164,7 @@ class LowBitMuon(torch.optim.Optimizer):
                  nesterov: bool = True, ns_steps: int = NS_STEPS,
                  ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, matched_rms: float = MATCHED_RMS,
                  momentum_4bit_levels: str = DEFAULT_MOMENTUM_4BIT_LEVELS,
+                 momentum_4bit_factor_rank: int = DEFAULT_MOMENTUM_4BIT_FACTOR_RANK,
                  state_format: str = _ADAMW_DEFAULTS["state_format"],
                  weight_update: str = _ADAMW_DEFAULTS["weight_update"],
                  block_size: int = _ADAMW_DEFAULTS["block_size"],
@@ -166,7 +185,8 @@ class LowBitMuon(torch.optim.Optimizer):
             raise ValueError(f"adamw_options {own or unknown}: " + (
                 "set these on LowBitMuon itself (they are the whole optimizer's or Muon's)" if own else
                 f"not LowBitAdamW keywords; it takes {sorted(_ADAMW_DEFAULTS)}"))
-        check_levels_asked({MOMENTUM_4BIT_LEVELS: momentum_4bit_levels}, state_format, "LowBitMuon")
+        check_4bit_options_asked({MOMENTUM_4BIT_LEVELS: momentum_4bit_levels,
+                                  MOMENTUM_4BIT_FACTOR_RANK: momentum_4bit_factor_rank}, state_format, "LowBitMuon")
         if isinstance(exchange_bucket_numel, bool) or not isinstance(exchange_bucket_numel, int) \
                 or exchange_bucket_numel < 1:
             raise ValueError(f"exchange_bucket_numel={exchange_bucket_numel!r}: use an int >= 1 (elements)")
@@ -190,7 +210,8 @@ class LowBitMuon(torch.optim.Optimizer):
         self._all_names: list[str] = []
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         ns_coefficients=ns_coefficients, matched_rms=matched_rms,
-                        momentum_4bit_levels=momentum_4bit_levels, weight_decay=weight_decay,
+                        momentum_4bit_levels=momentum_4bit_levels,
+                        momentum_4bit_factor_rank=momentum_4bit_factor_rank, weight_decay=weight_decay,
                         state_format=state_format, weight_update=weight_update, block_size=block_size,
                         min_quantized_numel=min_quantized_numel)
         super().__init__(params, defaults)
@@ -289,7 +310,7 @@ class LowBitMuon(torch.optim.Optimizer):
             if flag:
                 muon_group = {**self.defaults, **muon_options, USE_MUON: True, SKIPPED: count,
                               "params": [params[i] for i in idx]}
-                check_levels_asked(muon_options, muon_group["state_format"], f"param group {gi}")
+                check_4bit_options_asked(muon_options, muon_group["state_format"], f"param group {gi}")
                 if names is not None:
                     muon_group["param_names"] = [names[i] for i in idx]
                 check_muon_group(muon_group, f"param group {gi}")
@@ -297,6 +318,8 @@ class LowBitMuon(torch.optim.Optimizer):
                     name = self._param_name(gi, pi, p, muon_group)
                     check_muon_param(p, name)
                     check_param(p, muon_group, name, "LowBitMuon")
+                    check_factor_param(p, factor_rank(p, param_format(p, muon_group)[0], muon_group),
+                                       self._use_fused(local(p)), name)
         adamw_idx = next((idx for flag, idx in parts if not flag), None)
         if adamw_idx is not None:  # LowBitAdamW checks it and adds it whole, or not at all
             sub = {**adamw_options, USE_MUON: False,
@@ -347,7 +370,12 @@ class LowBitMuon(torch.optim.Optimizer):
             self._order[p] = len(self._order)
             state = self.state[p]
             for key, (shape, dtype, gshape) in muon_state_specs(p, group).items():
-                state[key] = like_param(p, torch.zeros(shape, dtype=dtype, device=local(p).device), gshape)
+                state[key] = like_param(p, torch.zeros(shape, dtype=dtype, device=local(p).device), gshape,
+                                        muon_state_placements(p, key))
+            if COL_FACTOR in state:
+                rank, col0 = local(state[COL_FACTOR]).shape[1], _local_offset(p)[1]
+                start = initial_col_factor(p.shape[1], rank, self._matrix_key(p))
+                local(state[COL_FACTOR]).copy_(start[col0:col0 + local(p).shape[1]])
             if "master" in state:
                 local(state["master"]).copy_(local(p).detach())
                 self._master_pending.add(p)
@@ -436,6 +464,7 @@ class LowBitMuon(torch.optim.Optimizer):
             if not self._use_fused(tensor.param):
                 ok[i] = muon_step_reference(cfg, tensor, g, hyper, guarded=guarded)
                 continue
+            check_factor_param(p, cfg.factor_rank, True, self._names[p])  # moved to CUDA after construction
             flag = torch.zeros(1, dtype=torch.int32, device=tensor.param.device) if guarded else None
             muon_lowbit.muon_step_fused(cfg, tensor, g, hyper, flag)
             ok[i] = True if flag is None else flag  # read below, once every matrix is launched
@@ -477,7 +506,7 @@ class LowBitMuon(torch.optim.Optimizer):
         if p in self._master_pending:
             take_start(p, state, self._master_offered)
             self._master_pending.discard(p)
-        cfg, tensor = muon_tensor(p, group, state, tensor_key(self.seed, _MUON_KEY_OFFSET + self._order[p]))
+        cfg, tensor = muon_tensor(p, group, state, self._matrix_key(p))
         where = f"param group of '{self._names[p]}'"
         hyper = MuonHyper(lr=hyper_value(where, "lr", group["lr"]),
                           momentum=hyper_value(where, "momentum", group["momentum"]),
@@ -486,6 +515,11 @@ class LowBitMuon(torch.optim.Optimizer):
                           matched_rms=hyper_value(where, "matched_rms", group["matched_rms"]),
                           step=int(state["step"]) + 1)
         return cfg, tensor, hyper
+
+    def _matrix_key(self, p: torch.Tensor) -> int:
+        """Muon matrix ``p``'s key (stochastic rounding, its factor's start): the seed and
+        its position among the Muon matrices."""
+        return tensor_key(self.seed, _MUON_KEY_OFFSET + self._order[p])
 
     def _sharded(self, work: list) -> list[tuple[list[int], OwnerExchange]]:
         """The exchanges of this step's sharded matrices, with their positions in ``work``;
@@ -613,8 +647,8 @@ class LowBitMuon(torch.optim.Optimizer):
             if not self._is_muon(gi):
                 adamw_groups.append(s)
                 continue
-            # momentum_4bit_levels may be unrecorded (muon_fixed_value says what that means)
-            missing = [k for k in MUON_ONLY_OPTIONS + SHARED_OPTIONS if k not in s and k != MOMENTUM_4BIT_LEVELS]
+            # UNRECORDED_MUON_OPTIONS may be unrecorded (muon_fixed_value says what that means)
+            missing = [k for k in MUON_ONLY_OPTIONS + SHARED_OPTIONS if k not in s and k not in UNRECORDED_MUON_OPTIONS]
             if missing:
                 raise ValueError(f"param group {gi} of the state dict has no {missing}: it was not saved by LowBitMuon")
             for k in MUON_FIXED_OPTIONS:
@@ -631,7 +665,8 @@ class LowBitMuon(torch.optim.Optimizer):
                     raise ValueError(f"param '{name}': the state dict holds no optimizer state for it; it is "
                                      "incomplete or not this optimizer's. Load a complete one")
                 codec = momentum_codec(param_format(p, group)[0], group)
-                specs = {k: EntrySpec(gshape, shape, dtype, check_kind(k), codec)
+                specs = {k: EntrySpec(gshape, shape, dtype, check_kind(k), codec,
+                                      muon_state_placements(p, k) if k in FACTOR_DIMS else None)
                          for k, (shape, dtype, gshape) in muon_state_specs(p, group).items()}
                 own = next(iter(v for k, v in self.state[p].items() if k != "step"))
                 loaded.append(check_param_state(p, name, state, specs, own if isinstance(own, DTensor) else None,
@@ -710,13 +745,45 @@ def _params_and_names(group: dict[str, Any]) -> tuple[list[torch.Tensor], Option
 def muon_state_specs(p: torch.Tensor, group: dict[str, Any]) -> dict[str, tuple]:
     """State tensor name -> (local shape, dtype, global shape) of a Muon matrix: its
     momentum in the group's format (first-moment codec, the block layout of ``formats``:
-    a shard's blocks are the whole matrix's blocks of its rows) and the extra state of its
-    weight update."""
+    a shard's blocks are the whole matrix's blocks of its rows), the factor beside a 4-bit
+    momentum (bf16 P and R: the local rows and columns, ``factor_rank`` wide) and the extra
+    state of its weight update."""
     fmt, block = param_format(p, group)
     shapes = fmt.moment_shapes(MOMENTUM, tuple(local(p).shape), block)
     gshapes = fmt.moment_shapes(MOMENTUM, tuple(p.shape), block)
-    return {**{k: (shape, dtype, gshapes[k][0]) for k, (shape, dtype) in shapes.items()},
-            **weight_update_specs(p, group)}
+    specs = {k: (shape, dtype, gshapes[k][0]) for k, (shape, dtype) in shapes.items()}
+    rank = factor_rank(p, fmt, group)
+    if rank:
+        specs.update({key: ((local(p).shape[dim], rank), torch.bfloat16, (p.shape[dim], rank))
+                      for key, dim in FACTOR_DIMS.items()})
+    return {**specs, **weight_update_specs(p, group)}
+
+
+def muon_state_placements(p: torch.Tensor, key: str) -> Optional[tuple]:
+    """The DTensor placements of state ``key`` of a DTensor matrix ``p`` (None for a plain
+    one): the parameter's, but for the factor (FACTOR_DIMS), whose rows are the parameter's
+    rows (P) or columns (R): on each mesh dimension, sharded as that dimension of the
+    parameter is (then along the factor's rows), replicated where the parameter is sharded
+    along the other dimension or replicated."""
+    if not isinstance(p, DTensor):
+        return None
+    if key not in FACTOR_DIMS:
+        return tuple(p.placements)
+    dim, placements = FACTOR_DIMS[key], []
+    for pl in p.placements:
+        if not isinstance(pl, (Shard, Replicate)):  # check_factor_param refuses these
+            raise TypeError(f"the factor of a matrix placed {tuple(p.placements)}: Shard and Replicate only")
+        placements.append(Shard(0) if isinstance(pl, Shard) and pl.dim % p.dim() == dim else Replicate())
+    return tuple(placements)
+
+
+def _local_offset(p: torch.Tensor) -> tuple[int, int]:
+    """(row, column) of the whole matrix where ``p``'s local shard starts."""
+    if not isinstance(p, DTensor):
+        return 0, 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return tuple(compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)[1])
 
 
 def muon_tensor(p: torch.Tensor, group: dict[str, Any], state: dict[str, Any],
@@ -725,11 +792,12 @@ def muon_tensor(p: torch.Tensor, group: dict[str, Any], state: dict[str, Any],
     fmt, block = param_format(p, group)
     update = WEIGHT_UPDATES[group["weight_update"]] if p.dtype == torch.bfloat16 else UPDATE_NEAREST
     cfg = MuonConfig(codec=momentum_codec(fmt, group), state_bf16=fmt.plain_dtype == torch.bfloat16, block=block,
-                     weight_update=update, nesterov=group["nesterov"])
+                     weight_update=update, nesterov=group["nesterov"], factor_rank=factor_rank(p, fmt, group))
     if fmt.quantized:
         momentum, scale = local(state[f"{MOMENTUM}_codes"]).view(torch.uint8), local(state[f"{MOMENTUM}_absmax"])
     else:
         momentum, scale = local(state[MOMENTUM]), None
     extra = state.get("master", state.get("kahan_comp", state.get("master_remainder")))
+    factor = {"row_factor": local(state[ROW_FACTOR]), "col_factor": local(state[COL_FACTOR])} if cfg.factor_rank else {}
     return cfg, MuonTensor(param=local(p.data), momentum=momentum, momentum_scale=scale,
-                           extra=None if extra is None else local(extra), sr_key=sr_key)
+                           extra=None if extra is None else local(extra), sr_key=sr_key, **factor)
