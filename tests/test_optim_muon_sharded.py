@@ -12,6 +12,7 @@ go to the tests below:
 * a DCP checkpoint (get/set_optimizer_state_dict) resumes bit for bit on 2 processes and
   loads on 1 process (here, in the test process) equal to the unsharded optimizer's state;
 * a non-finite gradient in one rank's shard stops (or skips) the step on every rank;
+* a factor beside a 4-bit momentum (not yet carried by the exchange) is refused;
 * a TP shard that would split a quantization block is refused naming the parameter.
 """
 
@@ -176,6 +177,14 @@ def _two_processes(rank, ckpt_dir):
         except FloatingPointError as e:
             res[policy] = (str(e), opt.skipped_steps)
         res[policy] += (torch.equal(before, model[0].weight._local_tensor),)
+
+    # Muon4bit's momentum factor: not yet on sharded matrices (the exchange carries none)
+    try:
+        LowBitMuon(fsdp(muon_model(), mesh).named_parameters(), **KW, state_format="4bit",
+                   momentum_4bit_factor_rank=4)
+        res["factor_sharded"] = None
+    except ValueError as e:
+        res["factor_sharded"] = str(e)
     return res
 
 
@@ -249,6 +258,13 @@ def test_nonfinite_gradient_in_one_shard_stops_or_skips_every_rank(two):
     msg, skipped, unchanged = two[0]["skip"]
     assert msg is None and skipped == 1 and unchanged
     assert two[0]["raise_fused"] == two[0]["raise"]
+
+
+def test_momentum_factor_on_sharded_matrices_is_refused_naming_the_option(two):
+    assert two[0]["factor_sharded"] is not None and (
+        "param '0.weight': momentum_4bit_factor_rank=4 (a factor beside the 4-bit momentum) is not yet supported "
+        "sharded (placements (Shard(dim=0),)): build the optimizer with momentum_4bit_factor_rank=0"
+        in two[0]["factor_sharded"]), two[0]["factor_sharded"]
 
 
 # ---------------------------------------------------------------------------------------
