@@ -424,6 +424,8 @@ class LowBitMuon(torch.optim.Optimizer):
             raise ValueError(f"param '{name}' is now {p.dtype} of (local) shape {tuple(loc.shape)}, which its "
                              f"optimizer state does not fit (it holds {have}, it needs {want}); no parameter was "
                              "stepped. Build a new optimizer for the changed model")
+        # a matrix moved to CUDA since the optimizer was built
+        check_factor_param(p, factor_rank(p, param_format(p, group)[0], group), self._use_fused(loc), name)
         return g
 
     def _muon_work(self) -> list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]]:
@@ -464,7 +466,6 @@ class LowBitMuon(torch.optim.Optimizer):
             if not self._use_fused(tensor.param):
                 ok[i] = muon_step_reference(cfg, tensor, g, hyper, guarded=guarded)
                 continue
-            check_factor_param(p, cfg.factor_rank, True, self._names[p])  # moved to CUDA after construction
             flag = torch.zeros(1, dtype=torch.int32, device=tensor.param.device) if guarded else None
             muon_lowbit.muon_step_fused(cfg, tensor, g, hyper, flag)
             ok[i] = True if flag is None else flag  # read below, once every matrix is launched
