@@ -29,9 +29,11 @@ the owner's work::
 
     INPUT launch      m = dequant(momentum) + F(P, R);  m, u as above
                       U = bf16_rne(u), Mw = bf16_rne(m) written; nothing stored
+                      (guarded: flag <- 1 if a block of m holds an inf/nan)
     (the owner: O = NewtonSchulz5(U), the new factor P', R' from Mw)
     STORE launch      m recomputed as in the INPUT launch (the state is unchanged)
                       momentum <- requant(m - F(P', R')); U, Mw not written
+                      (guarded: staged, flag <- 1 if a block of m - F(P', R') holds an inf/nan)
 
 The non-finite guard is the reference's, per *matrix*: where the new momentum or weight
 of any element is not finite, neither is written. No launch can see the whole matrix, so
@@ -153,7 +155,7 @@ def _muon_momentum_kernel(g_ptr, m_ptr, ms_ptr, out_ptr, outs_ptr, u_ptr, mw_ptr
     # nan-propagating, as the reference's amax: a nan momentum (an unguarded step) is
     # stored as the reference stores it
     m_abs = _block_absmax(m, emask, EVEN, True)
-    if GUARD and PHASE != _K_PHASE_STORE:
+    if GUARD:
         tl.store(flag_ptr + bidx * 0, 1, mask=bmask & ~(m_abs < float("inf")))
     if PHASE != _K_PHASE_INPUT:
         _store_state(m, m_abs, out_ptr, outs_ptr, 0, tab, etab, eoff, coff, bidx, bmask, emask, cmask,
@@ -345,12 +347,13 @@ def factored_input(cfg: MuonConfig, t: MuonTensor, grad: torch.Tensor, hyper: Mu
 
 def store_factored(cfg: MuonConfig, t: MuonTensor, grad: torch.Tensor, hyper: MuonHyper,
                    factor: tuple[torch.Tensor, torch.Tensor], new_factor: tuple[torch.Tensor, torch.Tensor],
-                   staged: bool = False) -> Optional[StagedMomentum]:
+                   flag: Optional[torch.Tensor] = None) -> Optional[StagedMomentum]:
     """The STORE launch: the new momentum (recomputed from the unchanged state, its stored
     ``factor`` and ``grad``, as ``factored_input`` computed it) less ``new_factor``,
-    requantized: into a staging copy returned (``staged``: a guarded step, committed by the
-    weight kernel's WRITE launch) or into the state in place (None returned)."""
-    _, _, out = _momentum_launch(cfg, t, grad, hyper, None, staged, PHASE_STORE, factor, new_factor)
+    requantized. With ``flag`` (a guarded step): into a staging copy, returned for the
+    weight kernel's WRITE launch to commit, ``flag`` set if what is stored would not be
+    finite; without it into the state in place (None returned)."""
+    _, _, out = _momentum_launch(cfg, t, grad, hyper, flag, flag is not None, PHASE_STORE, factor, new_factor)
     return out
 
 

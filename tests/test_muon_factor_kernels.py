@@ -78,7 +78,9 @@ def test_input_and_store_launches_match_the_math(fmt, levels, rank):
 
         ref = copy.deepcopy(t)
         R.store_momentum(cfg, ref, m - factor_f32(*new))
-        staged = K.store_factored(cfg, fused, grad.to(DEV), h, on_dev(old), on_dev(new), staged=True)
+        flag.zero_()
+        staged = K.store_factored(cfg, fused, grad.to(DEV), h, on_dev(old), on_dev(new), flag)
+        assert int(flag) == 0
         assert_same(t, fused, "a staged STORE leaves the state as it is")
         got = copy.deepcopy(t)
         got.momentum, got.momentum_scale = staged.momentum.cpu(), staged.scale.cpu()
@@ -110,7 +112,7 @@ def test_a_shard_of_rows_gives_the_whole_matrix_rows():
         assert equal_bits(shard.momentum_scale.cpu(), whole.momentum_scale[a:b].cpu())
 
 
-def test_the_input_launch_flags_a_non_finite_momentum():
+def test_the_guard_flags_a_non_finite_momentum_or_residual():
     gen = torch.Generator().manual_seed(8)
     shape, rank = (5, 37), 2
     cfg, t = make("4bit", torch.bfloat16, "stochastic", shape, gen)
@@ -125,6 +127,13 @@ def test_the_input_launch_flags_a_non_finite_momentum():
     clean = factors(shape, rank, gen)
     flag.zero_()
     K.factored_input(cfg, fused, grad.to(DEV), hyper(), on_dev(clean), flag)
+    assert int(flag) == 0
+    # a finite momentum whose residual beside a non-finite new factor is not: STORE flags it
+    K.store_factored(cfg, fused, grad.to(DEV), hyper(), on_dev(clean), on_dev(old), flag)
+    assert int(flag) == 1
+    assert_same(t, fused, "a flagged STORE is staged: the state is as it was")
+    flag.zero_()
+    K.store_factored(cfg, fused, grad.to(DEV), hyper(), on_dev(clean), on_dev(clean), flag)
     assert int(flag) == 0
 
 
