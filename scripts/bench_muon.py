@@ -2,14 +2,15 @@
 """LowBitMuon's step on the TinyLlama-1.1B parameter set (one GPU): the fused kernels
 against the PyTorch reference path, and the Newton-Schulz part's throughput.
 
-    python3 scripts/bench_muon.py                      # fp32, 8bit, 4bit momentum; both paths
+    python3 scripts/bench_muon.py                      # fp32, 8bit, 4bit (NF4 and dynamic map); both paths
     python3 scripts/bench_muon.py --formats 8bit --paths fused --steps 5
 
 Parameters: TinyLlama-1.1B's (bench_optimizer.tinyllama_shapes), bf16, random, with random
 bf16 gradients, named so that the embedding and the output head go to LowBitMuon's AdamW
 part; the 154 matrices of the 22 layers (0.97B elements) are Muon's. For each momentum
 format and path ("fused": kernels/muon_lowbit.py, as on every CUDA tensor; "reference":
-kernels/muon_ref.py's PyTorch ops, forced) one row:
+kernels/muon_ref.py's PyTorch ops, forced) one row. "4bit" is Muon4bit as it comes (NF4
+levels); "4bit-dynamic" the same with ``momentum_4bit_levels="dynamic"``:
 
 * step ms: the whole optimizer step (Muon and AdamW parts), median of --steps steps after
   --warmup, each between host syncs (bench_optimizer.time_steps);
@@ -76,9 +77,21 @@ def newton_schulz_ms(opt, steps: int, warmup: int) -> tuple[float, int]:
     return statistics.median(times), flops
 
 
+# --formats name -> (label, LowBitMuon keyword arguments)
+FORMATS = {
+    "fp32": ("fp32 momentum", {"state_format": "fp32"}),
+    "bf16": ("bf16 momentum", {"state_format": "bf16"}),
+    "8bit": ("8bit momentum", {"state_format": "8bit"}),
+    "fp8": ("fp8 momentum", {"state_format": "fp8"}),
+    "4bit": ("4bit momentum (NF4)", {"state_format": "4bit"}),
+    "4bit-dynamic": ("4bit momentum (dynamic map)", {"state_format": "4bit", "momentum_4bit_levels": "dynamic"}),
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--formats", nargs="+", default=["fp32", "8bit", "4bit"])
+    ap.add_argument("--formats", nargs="+", default=["fp32", "8bit", "4bit", "4bit-dynamic"],
+                    choices=sorted(FORMATS))
     ap.add_argument("--paths", nargs="+", default=["reference", "fused"], choices=["reference", "fused"])
     ap.add_argument("--weight-update", default="stochastic")
     ap.add_argument("--steps", type=int, default=10)
@@ -97,7 +110,8 @@ def main() -> None:
         for path in args.paths:
             gen = torch.Generator(device="cuda").manual_seed(0)
             params = named_params(gen)
-            opt = LowBitMuon(params, lr=1e-3, weight_decay=0.1, state_format=fmt, weight_update=args.weight_update)
+            label, kwargs = FORMATS[fmt]
+            opt = LowBitMuon(params, lr=1e-3, weight_decay=0.1, weight_update=args.weight_update, **kwargs)
             if path == "reference":
                 opt._use_fused = lambda t: False
             torch.cuda.reset_peak_memory_stats()
@@ -106,7 +120,7 @@ def main() -> None:
             if ns is None:
                 ns = newton_schulz_ms(opt, args.steps, args.warmup)
             ns_ms, flops = ns
-            rows.append((f"{fmt} momentum", path, step_ms, ns_ms, flops / (ns_ms * 1e-3) / 1e12,
+            rows.append((label, path, step_ms, ns_ms, flops / (ns_ms * 1e-3) / 1e12,
                          opt.state_bytes_per_param(), peak))
             print(*rows[-1], sep="\t", flush=True)
             del opt, params
