@@ -68,7 +68,7 @@ import triton
 import triton.language as tl
 
 from .adamw_lowbit import interpreting
-from .muon_ref import MuonConfig, MuonHyper, MuonTensor, newton_schulz, update_scale
+from .muon_ref import MuonConfig, MuonHyper, MuonTensor, new_factor, newton_schulz, update_scale
 from .optim_jit import (
     _K_CODEC_NONE,
     _K_ENC_ROW,
@@ -397,6 +397,9 @@ def muon_step_fused(cfg: MuonConfig, t: MuonTensor, grad: torch.Tensor, hyper: M
     kernels). ``flag`` (int32, one element, zero on entry): the guarded step, which writes
     nothing where the new momentum or weight would hold an inf/nan and sets ``flag``;
     read it when convenient (no host sync here)."""
+    if cfg.factor_rank:
+        _factored_step(cfg, t, grad, hyper, flag)
+        return
     u, staged = momentum_and_input(cfg, t, grad, hyper, flag)
     o = newton_schulz(u, hyper.ns_steps, hyper.ns_coefficients)
     del u
@@ -404,3 +407,29 @@ def muon_step_fused(cfg: MuonConfig, t: MuonTensor, grad: torch.Tensor, hyper: M
     if flag is not None:
         check_weight(cfg, t, o, hyper, shape, flag)
     write_weight(cfg, t, o, hyper, shape, flag, staged)
+
+
+def commit_factor(t: MuonTensor, new: tuple[torch.Tensor, torch.Tensor], flag: Optional[torch.Tensor]) -> None:
+    """Write the ``new`` factor into ``t``'s state, unless ``flag`` (a guarded step's) is
+    set: decided on the device, no host sync."""
+    for state, value in zip((t.row_factor, t.col_factor), new):
+        state.copy_(value if flag is None else torch.where(flag.bool(), state, value))
+
+
+def _factored_step(cfg: MuonConfig, t: MuonTensor, grad: torch.Tensor, hyper: MuonHyper,
+                   flag: Optional[torch.Tensor]) -> None:
+    """``muon_step_fused`` of a momentum with a factor: the INPUT launch, Newton-Schulz and
+    the new factor from the new momentum in bf16 (``muon_ref.new_factor``, PyTorch ops), the
+    STORE launch, the weight kernel's launches, the factor written where the step is."""
+    factor = (t.row_factor, t.col_factor)
+    u, mw = factored_input(cfg, t, grad, hyper, factor, flag)
+    o = newton_schulz(u, hyper.ns_steps, hyper.ns_coefficients)
+    del u
+    new = tuple(x.contiguous() for x in new_factor(t.col_factor, mw))  # a QR's Q may be column-major
+    del mw
+    staged = store_factored(cfg, t, grad, hyper, factor, new, flag)
+    shape = tuple(t.param.shape)
+    if flag is not None:
+        check_weight(cfg, t, o, hyper, shape, flag)
+    write_weight(cfg, t, o, hyper, shape, flag, staged)
+    commit_factor(t, new, flag)

@@ -293,26 +293,6 @@ def test_a_group_of_another_format_only_inheriting_the_rank_keeps_no_factor():
     assert set(LowBitMuon([small], state_format="4bit", **{RANK: 4}).state[small]) == {"momentum_buffer", "step"}
 
 
-def test_the_fused_path_refuses_a_factor_naming_the_option(monkeypatch):
-    """CUDA matrices take the fused kernels, which have no factor yet (here the path is
-    forced on the CPU): refused when the optimizer is built, and, before anything is
-    stepped, at the step of a matrix that reached it later."""
-    w = torch.nn.Parameter(torch.randn(16, 64))
-    monkeypatch.setattr(LowBitMuon, "_use_fused", staticmethod(lambda t: True))
-    with pytest.raises(ValueError, match=f"param 'w': {RANK}=4 .* not yet supported on cpu tensors .*build the "
-                                         f"optimizer with {RANK}=0"):
-        LowBitMuon([("w", w)], state_format="4bit", min_quantized_numel=0, **{RANK: 4})
-    LowBitMuon([("w", w)], state_format="4bit", min_quantized_numel=0)  # rank 0: no factor, fine
-    monkeypatch.undo()
-    opt = LowBitMuon([("w", w)], state_format="4bit", min_quantized_numel=0, **{RANK: 4})
-    monkeypatch.setattr(LowBitMuon, "_use_fused", staticmethod(lambda t: True))
-    w.grad = torch.randn(16, 64)
-    before = w.detach().clone()
-    with pytest.raises(ValueError, match=f"param 'w': {RANK}=4 .* not yet supported"):
-        opt.step()
-    assert torch.equal(w.detach(), before) and not opt.state[w]["momentum_buffer_row_factor"].any()
-
-
 def test_dtensor_factors_are_placed_by_the_rows_and_columns_they_hold(tmp_path):
     """On a mesh whose dimensions hold one rank each (a whole matrix), the factor's
     DTensors follow the parameter's rows (P) and columns (R): a Shard(0) parameter has

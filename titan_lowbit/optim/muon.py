@@ -119,8 +119,8 @@ class LowBitMuon(torch.optim.Optimizer):
             factor is renewed from the new momentum at every step (one subspace iteration:
             two thin QRs and a few ``[rows, cols] x k`` products per matrix) and costs
             2 k (rows + cols) bytes per matrix (``kernels.muon_ref``). 0 (the default): no
-            factor. Not yet on CUDA (the fused kernels have none) nor for matrices sharded
-            over several ranks: those are refused. Other formats refuse a value but 0.
+            factor. Not yet for matrices sharded over several ranks: those are refused.
+            Other formats refuse a value but 0.
         weight_update, block_size, min_quantized_numel, seed, nonfinite_grad: as in
             ``LowBitAdamW``, for both parts. ``nonfinite_grad="raise"``: a matrix whose
             new momentum or weight would hold an inf/nan keeps both unwritten and the step
@@ -318,8 +318,7 @@ class LowBitMuon(torch.optim.Optimizer):
                     name = self._param_name(gi, pi, p, muon_group)
                     check_muon_param(p, name)
                     check_param(p, muon_group, name, "LowBitMuon")
-                    check_factor_param(p, factor_rank(p, param_format(p, muon_group)[0], muon_group),
-                                       self._use_fused(local(p)), name)
+                    check_factor_param(p, factor_rank(p, param_format(p, muon_group)[0], muon_group), name)
         adamw_idx = next((idx for flag, idx in parts if not flag), None)
         if adamw_idx is not None:  # LowBitAdamW checks it and adds it whole, or not at all
             sub = {**adamw_options, USE_MUON: False,
@@ -424,8 +423,6 @@ class LowBitMuon(torch.optim.Optimizer):
             raise ValueError(f"param '{name}' is now {p.dtype} of (local) shape {tuple(loc.shape)}, which its "
                              f"optimizer state does not fit (it holds {have}, it needs {want}); no parameter was "
                              "stepped. Build a new optimizer for the changed model")
-        # a matrix moved to CUDA since the optimizer was built
-        check_factor_param(p, factor_rank(p, param_format(p, group)[0], group), self._use_fused(loc), name)
         return g
 
     def _muon_work(self) -> list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]]:

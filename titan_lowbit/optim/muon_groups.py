@@ -148,16 +148,12 @@ def check_4bit_options_asked(options: dict[str, Any], state_format: str, where: 
                              "state_format='4bit', or remove it")
 
 
-def check_factor_param(p: torch.Tensor, rank: int, fused: bool, name: str) -> None:
+def check_factor_param(p: torch.Tensor, rank: int, name: str) -> None:
     """Refuse Muon matrix ``p`` whose momentum would keep a factor of rank ``rank`` > 0
-    where it cannot yet: on the fused kernels' path (``fused``: CUDA), which have no factor,
-    and sharded over several ranks, where the owner exchange carries no factor."""
+    where it cannot yet: sharded over several ranks, where the owner exchange carries no
+    factor."""
     if not rank:
         return
-    if fused:
-        raise ValueError(f"param '{name}': {MOMENTUM_4BIT_FACTOR_RANK}={rank} (a factor beside the 4-bit momentum) "
-                         f"is not yet supported on {p.device.type} tensors (the fused kernels have no factor): build "
-                         f"the optimizer with {MOMENTUM_4BIT_FACTOR_RANK}=0")
     if isinstance(p, DTensor) and (split_dims(p, name) or not all(isinstance(pl, (Shard, Replicate))
                                                                   for pl in p.placements)):
         raise ValueError(f"param '{name}': {MOMENTUM_4BIT_FACTOR_RANK}={rank} (a factor beside the 4-bit momentum) "
