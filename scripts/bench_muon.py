@@ -10,7 +10,8 @@ bf16 gradients, named so that the embedding and the output head go to LowBitMuon
 part; the 154 matrices of the 22 layers (0.97B elements) are Muon's. For each momentum
 format and path ("fused": kernels/muon_lowbit.py, as on every CUDA tensor; "reference":
 kernels/muon_ref.py's PyTorch ops, forced) one row. "4bit" is Muon4bit as it comes (NF4
-levels); "4bit-dynamic" the same with ``momentum_4bit_levels="dynamic"``:
+levels); "4bit-dynamic" the same with ``momentum_4bit_levels="dynamic"``; "4bit-factor" with
+``momentum_4bit_factor_rank=8``:
 
 * step ms: the whole optimizer step (Muon and AdamW parts), median of --steps steps after
   --warmup, each between host syncs (bench_optimizer.time_steps);
@@ -85,12 +86,13 @@ FORMATS = {
     "fp8": ("fp8 momentum", {"state_format": "fp8"}),
     "4bit": ("4bit momentum (NF4)", {"state_format": "4bit"}),
     "4bit-dynamic": ("4bit momentum (dynamic map)", {"state_format": "4bit", "momentum_4bit_levels": "dynamic"}),
+    "4bit-factor": ("4bit momentum (NF4) + rank-8 factor", {"state_format": "4bit", "momentum_4bit_factor_rank": 8}),
 }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--formats", nargs="+", default=["fp32", "8bit", "4bit", "4bit-dynamic"],
+    ap.add_argument("--formats", nargs="+", default=["fp32", "8bit", "4bit", "4bit-dynamic", "4bit-factor"],
                     choices=sorted(FORMATS))
     ap.add_argument("--paths", nargs="+", default=["reference", "fused"], choices=["reference", "fused"])
     ap.add_argument("--weight-update", default="stochastic")
