@@ -130,7 +130,7 @@ def main() -> None:
 
             def exchange_all(exchanges=exchanges, inputs=inputs):
                 for (_, ex), x in zip(exchanges, inputs):
-                    ex.run(x, lambda j, whole: whole)
+                    ex.run(x, lambda j, whole, _side: (whole, ()))
 
             row[label] = timed(exchange_all, args.steps, args.warmup, sync)
     if rank == 0:
