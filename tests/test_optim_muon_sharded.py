@@ -13,7 +13,10 @@ go to the tests below:
   loads on 1 process (here, in the test process) equal to the unsharded optimizer's state;
 * a non-finite gradient in one rank's shard stops (or skips) the step on every rank;
 * a factor beside a 4-bit momentum (not yet carried by the exchange) is refused;
-* a TP shard that would split a quantization block is refused naming the parameter.
+* a TP shard that would split a quantization block is refused naming the parameter;
+* the exchange alone (4 processes): a side matrix travels with the input to the owner and
+  the owner's extra results, indexed by rows or by columns, come back to every rank as its
+  slices, bit for bit, over rows, columns (2 and 3 ranks), FSDP2 x TP and HSDP.
 """
 
 import functools
@@ -326,6 +329,7 @@ def _four_processes(rank):
     train_mean_square(ref, ref_opt, xs)
     train_mean_square(sh, opt, xs)
     res["equal"][("hsdp", fmt, update)] = same(sh, opt, ref, ref_opt)
+    res["exchange"] = _exchange_cases(rank)
     return res
 
 
@@ -349,6 +353,174 @@ def test_tp_shard_that_splits_blocks_is_refused_by_name(four):
     err = four["tp_block_error"]
     assert err is not None and "param '1.weight'" in err and "block_size=16" in err, err
 
+
+
+# ---------------------------------------------------------------------------------------
+# The exchange alone (on the 4 processes above): a side matrix travels with the input and
+# the owner's extra results, indexed by rows or by columns, come back in slices
+# ---------------------------------------------------------------------------------------
+def exchange_layouts():
+    """name -> (mesh shape, mesh dimension names, placements, ranks of the mesh): rows
+    over 2 and over 3 ranks (uneven; a 2-row matrix leaves one rank an empty shard),
+    columns over 2 and 3, FSDP2 x TP (rows x columns, and columns x rows), HSDP
+    (replicas x row shards)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return {"rows over 2": ((2,), ("fsdp",), (Shard(0),), 2), "rows over 3": ((3,), ("fsdp",), (Shard(0),), 3),
+            "cols over 2": ((2,), ("tp",), (Shard(1),), 2), "cols over 3": ((3,), ("tp",), (Shard(1),), 3),
+            "fsdp x tp": ((2, 2), ("dp", "tp"), (Shard(0), Shard(1)), 4),
+            "tp x fsdp": ((2, 2), ("dp", "tp"), (Shard(1), Shard(0)), 4),
+            "hsdp": ((2, 2), ("replicate", "shard"), (Replicate(), Shard(0)), 4)}
+
+
+def exchange_matrices():
+    """Ragged matrices (one bucket), each with its declared extras (k and dtypes vary; one
+    declares none), the Newton-Schulz-like input and the side matrix, fp32, the same on
+    every rank."""
+    from titan_lowbit.optim.muon_exchange import COLS, ROWS, Extra
+
+    gen = torch.Generator().manual_seed(11)
+    shapes = [(37, 23), (5, 41), (2, 7), (64, 9), (12, 30)]
+    extras = [(Extra(ROWS, 3, torch.float32), Extra(COLS, 3, torch.bfloat16)),
+              (Extra(COLS, 2, torch.float32), Extra(ROWS, 2, torch.float32)),
+              (Extra(ROWS, 1, torch.bfloat16), Extra(COLS, 1, torch.float32)),
+              (Extra(ROWS, 5, torch.float32),), ()]
+    inputs = [torch.randn(s, generator=gen) for s in shapes]
+    side = [torch.randn(s, generator=gen) for s in shapes]
+    return extras, inputs, side
+
+
+def owner_work(j, whole_input, whole_side, extras):
+    """A deterministic stand-in for the owner's work: a result and the declared extras,
+    each a function of the whole input and the whole side matrix (a transposed one among
+    them, as R = U[:k].T would be)."""
+    result = (whole_input.float() * 3 - whole_side.float()).to(torch.bfloat16)
+    out = []
+    for e in extras:
+        k = e.width
+        if e.along == 0:  # [rows, k]
+            x = whole_side[:, :k].float() * 2 + whole_input[:, -k:].float()
+        else:  # [cols, k]
+            x = whole_input[:k].T.float() - whole_side[-k:].T.float() * 0.5
+        out.append(x.to(e.dtype))
+    return result, tuple(out)
+
+
+def _exchange_cases(rank):
+    """Per layout, what each rank found: its result shard and its extras' slices against
+    ``owner_work`` on the whole matrices in this process, the wholes the owners saw
+    against the assembled bf16 matrices, and the bytes sent."""
+    import traceback
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from titan_lowbit.optim.muon_exchange import Extra, OwnerExchange, split_dims
+
+    def refusal(call):
+        try:
+            call()
+        except ValueError as e:
+            return str(e)
+
+    found = {}
+    extras, inputs, side = exchange_matrices()
+    bf16 = [(u.to(torch.bfloat16), m.to(torch.bfloat16)) for u, m in zip(inputs, side)]
+    whole = [owner_work(j, u, m, e) for j, ((u, m), e) in enumerate(zip(bf16, extras))]
+    for name, (shape, dim_names, placements, ranks) in exchange_layouts().items():
+        mesh = DeviceMesh("cpu", torch.arange(ranks).reshape(shape), mesh_dim_names=dim_names)
+        if mesh.get_coordinate() is None:  # rank 3 sits out the 3-rank layouts
+            continue
+        try:
+            params = [distribute_tensor(u, mesh, placements) for u in inputs]
+            dims = split_dims(params[0], "matrix")
+            exchange = OwnerExchange(params, dims)
+            seen = {}
+
+            def work(j, whole_input, whole_side):
+                seen[j] = (torch.equal(whole_input, bf16[j][0]) and whole_input.dtype == torch.bfloat16,
+                           torch.equal(whole_side, bf16[j][1]) and whole_side.dtype == torch.bfloat16)
+                return owner_work(j, whole_input, whole_side, extras[j])
+
+            shards = [p.to_local() for p in params]
+            side_shards = [distribute_tensor(m, mesh, placements).to_local() for m in side]
+            outputs, slices = exchange.run(shards, work, side=side_shards, extras=extras)
+            bad = []
+            for j, p in enumerate(params):
+                (rows, cols), (r0, c0) = compute_local_shape_and_global_offset(p.shape, mesh, placements)
+                result, results = whole[j]
+                if not torch.equal(outputs[j], result[r0:r0 + rows, c0:c0 + cols]):
+                    bad.append(f"matrix {j}: result")
+                if len(slices[j]) != len(extras[j]):
+                    bad.append(f"matrix {j}: {len(slices[j])} extras")
+                for i, (got, want, e) in enumerate(zip(slices[j], results, extras[j])):
+                    first, count = (r0, c0)[e.along], (rows, cols)[e.along]
+                    if got.dtype != e.dtype or not torch.equal(got, want[first:first + count]):
+                        bad.append(f"matrix {j}: extra {i}")
+            if name == "rows over 2":  # refused alike on every rank, before anything travels
+                found["refused"] = [refusal(lambda: exchange.run(shards, work, side=side_shards[:-1], extras=extras)),
+                                    refusal(lambda: exchange.run(shards, work, side=side_shards,
+                                                                 extras=[(Extra(2, 1, torch.float32),), *extras[1:]]))]
+            found[name] = {"dims": dims, "bad": bad, "seen": seen, "rects": exchange.rects[exchange.coord],
+                           "owners": exchange.owner, "coord": exchange.coord,
+                           "bytes": (exchange.bytes_sent(), exchange.bytes_sent(side=True, extras=extras))}
+        except Exception:
+            found[name] = traceback.format_exc()
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, found)
+    return everyone
+
+
+def layout_ranks(four, layout):
+    """Every rank's findings for ``layout`` (the ranks of its mesh)."""
+    found = [r[layout] for r in four["exchange"] if layout in r]
+    for r in found:
+        assert not isinstance(r, str), r  # a rank's traceback
+    return found
+
+
+@pytest.mark.parametrize("layout", list(exchange_layouts()))
+def test_exchange_returns_result_shards_and_extra_slices_bit_for_bit(four, layout):
+    """Every rank's shard of the result and its rows of each extra (by its rows or its
+    columns) equal the owner's work done on the whole matrices in one process, bit for
+    bit and in the extra's dtype; each owner saw the assembled bf16 input and side matrix;
+    each matrix's work ran once per replica (HSDP: twice, once per replica)."""
+    shape, _, placements, ranks = exchange_layouts()[layout]
+    found = layout_ranks(four, layout)
+    assert len(found) == ranks
+    assert all(r["bad"] == [] for r in found), [r["bad"] for r in found]
+    assert found[0]["dims"] == tuple(d for d, pl in enumerate(placements) if pl.is_shard())
+    replicas = 2 if layout == "hsdp" else 1
+    extras = exchange_matrices()[0]
+    assert sorted(j for r in found for j in r["seen"]) == sorted(list(range(len(extras))) * replicas)
+    assert all(v == (True, True) for r in found for v in r["seen"].values())
+
+
+@pytest.mark.parametrize("layout", ["rows over 3", "cols over 2"])
+def test_exchange_with_side_and_extras_sends_both_matrices_out_and_the_slices_back(four, layout):
+    """Over one mesh dimension: each non-owner shard goes to the owner as input and side
+    matrix (bf16) and comes back as result (bf16) with its slices of the extras (their
+    own dtypes); without them, the input out and the result back, as ever."""
+    found = layout_ranks(four, layout)
+    extras = exchange_matrices()[0]
+    plain = side = 0
+    for r in found:
+        for j, declared in enumerate(extras):
+            if r["coord"] == r["owners"][j]:
+                continue
+            _, _, rows, cols = r["rects"][j]
+            plain += 2 * 2 * rows * cols
+            side += 3 * 2 * rows * cols + sum((rows, cols)[e.along] * e.width * e.dtype.itemsize for e in declared)
+    assert sum(r["bytes"][0] for r in found) == plain
+    assert sum(r["bytes"][1] for r in found) == side > plain
+
+
+def test_exchange_refuses_a_side_or_extras_that_do_not_fit(four):
+    side_count, bad_extra = layout_ranks(four, "refused")[0]
+    assert side_count is not None and "side holds 4 tensors for the exchange's 5 matrices" in side_count
+    assert bad_extra is not None and "matrix 0's extra Extra(along=2" in bad_extra
 
 
 def test_owners_balance_elements_across_buckets():

@@ -549,7 +549,7 @@ class LowBitMuon(torch.optim.Optimizer):
             m, u = momentum_and_input(cfg, tensor, g, hyper)
             moments.append(m)
             inputs.append(u.to(exchange.wire_dtype))  # what travels, rounded now: the fp32 copy is not kept
-        outputs = exchange.run(inputs, _orthogonaliser(matrices))
+        outputs, _ = exchange.run(inputs, _orthogonaliser(matrices))
         del inputs
         weights = [new_weight(cfg, tensor, o, hyper, tuple(p.shape))
                    for (_, p, _), (cfg, tensor, hyper), o in zip(work, matrices, outputs)]
@@ -575,7 +575,7 @@ class LowBitMuon(torch.optim.Optimizer):
             u, stage = muon_lowbit.momentum_and_input(cfg, tensor, g, hyper, None if flags is None else flags[j:j + 1])
             inputs.append(u)
             staged.append(stage)
-        outputs = exchange.run(inputs, _orthogonaliser(matrices))
+        outputs, _ = exchange.run(inputs, _orthogonaliser(matrices))
         del inputs
         if guarded:
             for j, ((_, p, _), (cfg, tensor, hyper), o) in enumerate(zip(work, matrices, outputs)):
@@ -712,9 +712,9 @@ def _place_shards(exchange: OwnerExchange, work: list, matrices: list) -> None:
 def _orthogonaliser(matrices: list):
     """The owner's work on whole matrix ``j`` of a bucket: Newton-Schulz with its group's
     steps and coefficients."""
-    def orthogonalise(j: int, whole: torch.Tensor) -> torch.Tensor:
+    def orthogonalise(j: int, whole: torch.Tensor, _side: None) -> tuple[torch.Tensor, tuple]:
         hyper = matrices[j][2]
-        return newton_schulz(whole, hyper.ns_steps, hyper.ns_coefficients)
+        return newton_schulz(whole, hyper.ns_steps, hyper.ns_coefficients), ()
 
     return orthogonalise
 
