@@ -12,7 +12,10 @@ go to the tests below:
 * a DCP checkpoint (get/set_optimizer_state_dict) resumes bit for bit on 2 processes and
   loads on 1 process (here, in the test process) equal to the unsharded optimizer's state;
 * a non-finite gradient in one rank's shard stops (or skips) the step on every rank;
-* a factor beside a 4-bit momentum (not yet carried by the exchange) is refused;
+* a factor beside a 4-bit momentum on row shards (FSDP2, HSDP): the owner makes the new
+  factor from the whole new momentum, every rank gets its rows; equal to unsharded bit for
+  bit on both paths, and its DCP checkpoint resumes bit for bit; with a matrix's columns
+  split (tensor parallel) it is refused naming the option;
 * a TP shard that would split a quantization block is refused naming the parameter;
 * the exchange alone (4 processes): a side matrix travels with the input to the owner and
   the owner's extra results, indexed by rows or by columns, come back to every rank as its
@@ -181,13 +184,39 @@ def _two_processes(rank, ckpt_dir):
             res[policy] = (str(e), opt.skipped_steps)
         res[policy] += (torch.equal(before, model[0].weight._local_tensor),)
 
-    # Muon4bit's momentum factor: not yet on sharded matrices (the exchange carries none)
-    try:
-        LowBitMuon(fsdp(muon_model(), mesh).named_parameters(), **KW, state_format="4bit",
-                   momentum_4bit_factor_rank=4)
-        res["factor_sharded"] = None
-    except ValueError as e:
-        res["factor_sharded"] = str(e)
+    # Muon4bit's momentum factor on row shards: the owner makes the new factor from the
+    # whole new momentum and sends each rank its rows of P (and all of R); reference path
+    # and fused kernels (interpreted, counted) against the unsharded reference, and a DCP
+    # checkpoint of the factor resumed bit for bit.
+    kw = dict(KW, state_format="4bit", weight_update="stochastic", momentum_4bit_factor_rank=4)
+    xs = inputs(2 * SAVE_AFTER, torch.bfloat16)
+    for path in ("reference", "fused"):
+        ref, sh = muon_model(), fsdp(muon_model(), mesh)
+        ref_opt, opt = LowBitMuon(ref.named_parameters(), **kw), LowBitMuon(sh.named_parameters(), **kw)
+        if path == "fused":
+            opt._use_fused = lambda t: True
+        train_mean_square(ref, ref_opt, xs[:SAVE_AFTER])
+        train_mean_square(sh, opt, xs[:SAVE_AFTER])
+        if path == "reference":
+            dcp.save({"optim": get_optimizer_state_dict(sh, opt)}, checkpoint_id=ckpt_dir + "_factor")
+            weights = [p.detach().clone() for p in sh.parameters()]
+            res["factor_placements"] = {k: str(v.placements) for k, v in opt.state[sh[0].weight].items()
+                                        if k.endswith("_factor")}
+        train_mean_square(ref, ref_opt, xs[SAVE_AFTER:])
+        train_mean_square(sh, opt, xs[SAVE_AFTER:])
+        res[f"factor_equal_{path}"] = same(sh, opt, ref, ref_opt) if path == "reference" or writes else "not fused"
+        writes.clear()
+        if path == "reference":
+            resumed = fsdp(muon_model(), mesh)
+            with torch.no_grad():
+                for p, w in zip(resumed.parameters(), weights):
+                    p.copy_(w)
+            opt2 = LowBitMuon(resumed.named_parameters(), **kw)
+            osd = get_optimizer_state_dict(resumed, opt2)
+            dcp.load({"optim": osd}, checkpoint_id=ckpt_dir + "_factor")
+            set_optimizer_state_dict(resumed, opt2, optim_state_dict=osd)
+            train_mean_square(resumed, opt2, xs[SAVE_AFTER:])
+            res["factor_resumed_equal"] = same(resumed, opt2, ref, ref_opt)
     return res
 
 
@@ -263,11 +292,17 @@ def test_nonfinite_gradient_in_one_shard_stops_or_skips_every_rank(two):
     assert two[0]["raise_fused"] == two[0]["raise"]
 
 
-def test_momentum_factor_on_sharded_matrices_is_refused_naming_the_option(two):
-    assert two[0]["factor_sharded"] is not None and (
-        "param '0.weight': momentum_4bit_factor_rank=4 (a factor beside the 4-bit momentum) is not yet supported "
-        "sharded (placements (Shard(dim=0),)): build the optimizer with momentum_4bit_factor_rank=0"
-        in two[0]["factor_sharded"]), two[0]["factor_sharded"]
+@pytest.mark.parametrize("path", ["reference", "fused"])
+def test_momentum_factor_on_row_shards_equals_unsharded_bit_for_bit(two, path):
+    """Muon4bit's factor (rank 4) on FSDP2's row shards: P sharded by rows, R replicated;
+    weights, codes, scales and both factors equal the unsharded optimizer's."""
+    assert two[0]["factor_placements"] == {"momentum_buffer_row_factor": "(Shard(dim=0),)",
+                                           "momentum_buffer_col_factor": "(Replicate(),)"}
+    assert two[0][f"factor_equal_{path}"] is True, two[0][f"factor_equal_{path}"]
+
+
+def test_momentum_factor_checkpoint_resumes_bit_for_bit(two):
+    assert two[0]["factor_resumed_equal"] is True
 
 
 # ---------------------------------------------------------------------------------------
@@ -318,17 +353,26 @@ def _four_processes(rank):
     except ValueError as e:
         res["tp_block_error"] = str(e)
 
+    # A factor needs the old column factor whole at each matrix's owner: columns split by
+    # tensor parallel (and FSDP2's strided shards over them) are refused by name.
+    try:
+        LowBitMuon(sh.named_parameters(), **dict(KW, state_format="4bit", block_size=16, momentum_4bit_factor_rank=4))
+        res["tp_factor_error"] = None
+    except ValueError as e:
+        res["tp_factor_error"] = str(e)
+
     hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    fmt, dtype, update = CASES[0]
-    kw = dict(KW, state_format=fmt, weight_update=update)
-    xs = inputs(3, dtype)
-    ref, sh = muon_model(dtype), fsdp(muon_model(dtype), hsdp)
-    res["hsdp_placements"] = str(sh[0].weight.placements)
-    ref_opt = LowBitMuon(ref.named_parameters(), **kw)
-    opt = LowBitMuon(sh.named_parameters(), **kw)
-    train_mean_square(ref, ref_opt, xs)
-    train_mean_square(sh, opt, xs)
-    res["equal"][("hsdp", fmt, update)] = same(sh, opt, ref, ref_opt)
+    for fmt, dtype, update, extra in [(*CASES[0], {}), ("4bit", torch.bfloat16, "stochastic",
+                                                        {"momentum_4bit_factor_rank": 4})]:
+        kw = dict(KW, state_format=fmt, weight_update=update, **extra)
+        xs = inputs(3, dtype)
+        ref, sh = muon_model(dtype), fsdp(muon_model(dtype), hsdp)
+        res["hsdp_placements"] = str(sh[0].weight.placements)
+        ref_opt = LowBitMuon(ref.named_parameters(), **kw)
+        opt = LowBitMuon(sh.named_parameters(), **kw)
+        train_mean_square(ref, ref_opt, xs)
+        train_mean_square(sh, opt, xs)
+        res["equal"][("hsdp", fmt, update) + (("factor",) if extra else ())] = same(sh, opt, ref, ref_opt)
     res["exchange"] = _exchange_cases(rank)
     return res
 
@@ -349,9 +393,21 @@ def test_hsdp_steps_equal_unsharded_bit_for_bit(four):
     assert four["equal"][("hsdp",) + (CASES[0][0], CASES[0][2])] is True
 
 
+def test_hsdp_steps_with_a_momentum_factor_equal_unsharded_bit_for_bit(four):
+    assert four["equal"][("hsdp", "4bit", "stochastic", "factor")] is True
+
+
 def test_tp_shard_that_splits_blocks_is_refused_by_name(four):
     err = four["tp_block_error"]
     assert err is not None and "param '1.weight'" in err and "block_size=16" in err, err
+
+
+def test_momentum_factor_with_columns_split_by_tp_is_refused_by_name(four):
+    err = four["tp_factor_error"]
+    assert err is not None and (
+        "param '1.weight': momentum_4bit_factor_rank=4 (a factor beside the 4-bit momentum) is not yet supported "
+        "with a matrix's columns split over ranks (placements (Shard(dim=1),)): build the optimizer with "
+        "momentum_4bit_factor_rank=0, or shard the matrix by rows only" in err), err
 
 
 

@@ -131,8 +131,8 @@ class LowBit:
     muon_4bit_factor_rank: int = _MUON_DEFAULTS["momentum_4bit_factor_rank"]
     """k > 0: Muon4bit's momentum keeps a bf16 factor of rank min(k, rows, cols) beside
     its codes, which then hold only the residual; renewed from the new momentum at every
-    step (2 k (rows + cols) bytes per matrix; docs/muon.md). 0: none. Not yet on CUDA nor
-    with matrices sharded over several ranks (refused at start-up). A Muon4bit checkpoint
+    step (2 k (rows + cols) bytes per matrix; docs/muon.md). 0: none. Not yet with a
+    matrix's columns split over ranks (tensor parallel; refused at start-up). A Muon4bit checkpoint
     that records no rank was written with 0. Refused with the other names."""
 
     muon_adamw_fqns: list[str] = field(default_factory=lambda: list(MUON_DEFAULT_ADAMW_FQNS))

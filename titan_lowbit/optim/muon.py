@@ -36,7 +36,9 @@ from titan_lowbit.kernels.muon_ref import (
     finite,
     initial_col_factor,
     momentum_and_input,
+    momentum_to_store,
     muon_step_reference,
+    new_factor,
     new_weight,
     newton_schulz,
     write_step,
@@ -49,7 +51,7 @@ from .formats import param_format, weight_update_specs
 from .group_options import NONFINITE_POLICIES, SKIPPED, check_param, checked_local_grad
 from .hyperparams import hyper_value
 from .master_start import take_start, write_start
-from .muon_exchange import EXCHANGE_BUCKET_NUMEL, OwnerExchange, exchange_buckets, split_dims
+from .muon_exchange import COLS, EXCHANGE_BUCKET_NUMEL, ROWS, Extra, OwnerExchange, exchange_buckets, split_dims
 from .muon_groups import (
     DEFAULT_ADAMW_FQNS,
     DEFAULT_MOMENTUM_4BIT_FACTOR_RANK,
@@ -119,7 +121,8 @@ class LowBitMuon(torch.optim.Optimizer):
             factor is renewed from the new momentum at every step (one subspace iteration:
             two thin QRs and a few ``[rows, cols] x k`` products per matrix) and costs
             2 k (rows + cols) bytes per matrix (``kernels.muon_ref``). 0 (the default): no
-            factor. Not yet for matrices sharded over several ranks: those are refused.
+            factor. Not yet for a matrix whose columns are split over ranks (tensor
+            parallel): refused.
             Other formats refuse a value but 0.
         weight_update, block_size, min_quantized_numel, seed, nonfinite_grad: as in
             ``LowBitAdamW``, for both parts. ``nonfinite_grad="raise"``: a matrix whose
@@ -544,22 +547,27 @@ class LowBitMuon(torch.optim.Optimizer):
         matrix whether it was written (the non-finite guard decides on every shard's
         values, on every rank alike)."""
         _place_shards(exchange, work, matrices)
-        moments, inputs = [], []
+        extras = _factor_extras(matrices)
+        moments, inputs, side = [], [], []
         for (_, p, g), (cfg, tensor, hyper) in zip(work, matrices):
             m, u = momentum_and_input(cfg, tensor, g, hyper)
             moments.append(m)
             inputs.append(u.to(exchange.wire_dtype))  # what travels, rounded now: the fp32 copy is not kept
-        outputs, _ = exchange.run(inputs, _orthogonaliser(matrices))
-        del inputs
+            if extras is not None:  # the owner's new factor comes from the new momentum, in bf16
+                side.append((m if cfg.factor_rank else u).to(exchange.wire_dtype))
+        outputs, factors = exchange.run(inputs, _orthogonaliser(matrices), side if extras else None, extras)
+        del inputs, side
         weights = [new_weight(cfg, tensor, o, hyper, tuple(p.shape))
                    for (_, p, _), (cfg, tensor, hyper), o in zip(work, matrices, outputs)]
+        stored = [momentum_to_store(m, factor or None) for m, factor in zip(moments, factors)]
         ok = [True] * len(work)
         if guarded:
-            ok = exchange.all_finite(torch.stack([finite(m, p_new) for m, (_, p_new) in zip(moments, weights)]))
+            ok = exchange.all_finite(torch.stack([finite(m, p_new, s) for m, (_, p_new), s in
+                                                  zip(moments, weights, stored)]))
             ok = ok.tolist()
-        for good, m, (p_old, p_new), (cfg, tensor, hyper) in zip(ok, moments, weights, matrices):
+        for good, s, (p_old, p_new), (cfg, tensor, hyper), factor in zip(ok, stored, weights, matrices, factors):
             if good:
-                write_step(cfg, tensor, m, p_old, p_new, hyper)
+                write_step(cfg, tensor, s, p_old, p_new, hyper, factor or None)
         return ok
 
     @staticmethod
@@ -570,20 +578,35 @@ class LowBitMuon(torch.optim.Optimizer):
         ranks, the WRITE launch (which commits the staged momentum)."""
         _place_shards(exchange, work, matrices)
         flags = torch.zeros(len(work), dtype=torch.int32, device=exchange.device) if guarded else None
-        staged, inputs = [], []
+        extras = _factor_extras(matrices)
+        staged, inputs, side = [], [], []
         for j, ((_, p, g), (cfg, tensor, hyper)) in enumerate(zip(work, matrices)):
-            u, stage = muon_lowbit.momentum_and_input(cfg, tensor, g, hyper, None if flags is None else flags[j:j + 1])
+            flag = None if flags is None else flags[j:j + 1]
+            if cfg.factor_rank:  # the INPUT launch: the state is stored once the new factor is back
+                u, mw = muon_lowbit.factored_input(cfg, tensor, g, hyper, (tensor.row_factor, tensor.col_factor),
+                                                   flag)
+                stage = None
+            else:
+                (u, stage), mw = muon_lowbit.momentum_and_input(cfg, tensor, g, hyper, flag), None
             inputs.append(u)
             staged.append(stage)
-        outputs, _ = exchange.run(inputs, _orthogonaliser(matrices))
-        del inputs
+            if extras is not None:
+                side.append(u if mw is None else mw)
+        outputs, factors = exchange.run(inputs, _orthogonaliser(matrices), side if extras else None, extras)
+        del inputs, side
+        for j, ((_, p, g), (cfg, tensor, hyper), factor) in enumerate(zip(work, matrices, factors)):
+            if factor:  # the STORE launch
+                staged[j] = muon_lowbit.store_factored(cfg, tensor, g, hyper, (tensor.row_factor, tensor.col_factor),
+                                                       factor, None if flags is None else flags[j:j + 1])
         if guarded:
             for j, ((_, p, _), (cfg, tensor, hyper), o) in enumerate(zip(work, matrices, outputs)):
                 muon_lowbit.check_weight(cfg, tensor, o, hyper, tuple(p.shape), flags[j:j + 1])
             flags.copy_((~exchange.all_finite(flags == 0)).to(torch.int32))
         for j, ((_, p, _), (cfg, tensor, hyper), o) in enumerate(zip(work, matrices, outputs)):
-            muon_lowbit.write_weight(cfg, tensor, o, hyper, tuple(p.shape), None if flags is None else flags[j:j + 1],
-                                     staged[j])
+            flag = None if flags is None else flags[j:j + 1]
+            muon_lowbit.write_weight(cfg, tensor, o, hyper, tuple(p.shape), flag, staged[j])
+            if factors[j]:
+                muon_lowbit.commit_factor(tensor, factors[j], flag)
         return [True] * len(work) if flags is None else (flags == 0).tolist()
 
     # The fused Triton kernels where LowBitAdamW runs its own (CUDA tensors), the PyTorch
@@ -711,12 +734,28 @@ def _place_shards(exchange: OwnerExchange, work: list, matrices: list) -> None:
 
 def _orthogonaliser(matrices: list):
     """The owner's work on whole matrix ``j`` of a bucket: Newton-Schulz with its group's
-    steps and coefficients."""
-    def orthogonalise(j: int, whole: torch.Tensor, _side: None) -> tuple[torch.Tensor, tuple]:
-        hyper = matrices[j][2]
-        return newton_schulz(whole, hyper.ns_steps, hyper.ns_coefficients), ()
+    steps and coefficients, and for a momentum with a factor the new factor from the whole
+    new momentum (the side matrix, bf16) and the old column factor, which every rank of a
+    row-sharded matrix holds whole (``check_factor_param``)."""
+    def orthogonalise(j: int, whole: torch.Tensor, side: Optional[torch.Tensor]) -> tuple[torch.Tensor, tuple]:
+        cfg, tensor, hyper = matrices[j]
+        o = newton_schulz(whole, hyper.ns_steps, hyper.ns_coefficients)
+        if not cfg.factor_rank:
+            return o, ()
+        return o, tuple(x.contiguous() for x in new_factor(tensor.col_factor, side))
 
     return orthogonalise
+
+
+def _factor_extras(matrices: list) -> Optional[list[tuple[Extra, ...]]]:
+    """What the owners send back beside each matrix's result in a bucket where a momentum
+    keeps a factor: its new P (by rows) and R (by columns), bf16; None where none does (the
+    exchange then carries no side matrix). In such a bucket a matrix without a factor sends
+    its input again as its side matrix, unused."""
+    if not any(cfg.factor_rank for cfg, _, _ in matrices):
+        return None
+    return [(Extra(ROWS, t.row_factor.shape[1], torch.bfloat16), Extra(COLS, t.col_factor.shape[1], torch.bfloat16))
+            if cfg.factor_rank else () for cfg, t, _ in matrices]
 
 
 def _params_and_names(group: dict[str, Any]) -> tuple[list[torch.Tensor], Optional[list[str]]]:
