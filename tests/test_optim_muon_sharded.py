@@ -338,7 +338,6 @@ def test_tp_shard_that_splits_blocks_is_refused_by_name(four):
     assert err is not None and "param '1.weight'" in err and "block_size=16" in err, err
 
 
-
 # ---------------------------------------------------------------------------------------
 # The exchange alone (on the 4 processes above): a side matrix travels with the input and
 # the owner's extra results, indexed by rows or by columns, come back in slices
