@@ -332,7 +332,9 @@ def test_dtensor_factors_are_placed_by_the_rows_and_columns_they_hold(tmp_path):
             assert torch.equal(opts_again.state[q][R].to_local(), opts[0].state[plain][R])
         strided = torch.nn.Parameter(DTensor.from_local(torch.randn(40, 300), mesh,
                                                         [_StridedShard(0, split_factor=1), Shard(0)]))
-        with pytest.raises(ValueError, match=f"param 's': {RANK}=8 .* not yet supported sharded"):
+        with pytest.raises(ValueError, match=f"param 's': {RANK}=8 .* not yet supported with a matrix's columns "
+                                             r"split over ranks, nor on FSDP2's strided shards \(placements "
+                                             r"\(_StridedShard"):
             LowBitMuon([("s", strided)], **KW)
     finally:
         dist.destroy_process_group()

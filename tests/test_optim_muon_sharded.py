@@ -406,7 +406,8 @@ def test_momentum_factor_with_columns_split_by_tp_is_refused_by_name(four):
     err = four["tp_factor_error"]
     assert err is not None and (
         "param '1.weight': momentum_4bit_factor_rank=4 (a factor beside the 4-bit momentum) is not yet supported "
-        "with a matrix's columns split over ranks (placements (Shard(dim=1),)): build the optimizer with "
+        "with a matrix's columns split over ranks, nor on FSDP2's strided shards (placements (Shard(dim=1),)): "
+        "build the optimizer with "
         "momentum_4bit_factor_rank=0, or shard the matrix by rows only" in err), err
 
 

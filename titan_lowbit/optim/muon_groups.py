@@ -151,15 +151,16 @@ def check_4bit_options_asked(options: dict[str, Any], state_format: str, where: 
 def check_factor_param(p: torch.Tensor, rank: int, name: str) -> None:
     """Refuse Muon matrix ``p`` whose momentum would keep a factor of rank ``rank`` > 0
     where it cannot yet: with its columns split over several ranks (tensor parallel's
-    column sharding, FSDP2's strided shards over it), where a matrix's owner would hold
-    only its columns of the old column factor that the new factor starts from. Rows split
+    column sharding), where a matrix's owner would hold only its columns of the old column
+    factor that the new factor starts from, and placed by FSDP2's strided shards (over
+    tensor parallel), which the factor's placements do not follow yet. Rows split
     (FSDP2, HSDP, tensor parallel's row sharding) and replicas are fine: every rank holds
     the whole column factor."""
     if not rank or not isinstance(p, DTensor):
         return
     for pl, size in zip(p.placements, p.device_mesh.shape):
-        if size > 1 and type(pl) is not Replicate and not (type(pl) is Shard and pl.dim % p.dim() == 0):
+        if type(pl) not in (Shard, Replicate) or (size > 1 and type(pl) is Shard and pl.dim % p.dim() != 0):
             raise ValueError(f"param '{name}': {MOMENTUM_4BIT_FACTOR_RANK}={rank} (a factor beside the 4-bit "
-                             f"momentum) is not yet supported with a matrix's columns split over ranks (placements "
-                             f"{tuple(p.placements)}): build the optimizer with {MOMENTUM_4BIT_FACTOR_RANK}=0, or "
-                             "shard the matrix by rows only")
+                             "momentum) is not yet supported with a matrix's columns split over ranks, nor on "
+                             f"FSDP2's strided shards (placements {tuple(p.placements)}): build the optimizer with "
+                             f"{MOMENTUM_4BIT_FACTOR_RANK}=0, or shard the matrix by rows only")
