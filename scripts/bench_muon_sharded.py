@@ -16,7 +16,7 @@ from rank 0:
   runs and for the same exchange in fp32 (what an fp32-momentum exchange would send);
 * the same for the bf16 exchange with a side matrix and extras, as a rank-k momentum
   factor uses it: the momentum travels with the Newton-Schulz input, and P [rows, k] and
-  R [cols, k] (fp32, k = --factor-rank) come back in slices with the result;
+  R [cols, k] (bf16, k = --factor-rank) come back in slices with the result;
 * (not with --bytes-only) the optimizer step's time (median of --steps steps after
   --warmup, each between host syncs); the exchange alone (the same buckets, no
   Newton-Schulz) in bf16, in fp32, and in bf16 with the side matrix and extras; peak
@@ -85,6 +85,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--factor-rank", type=int, default=8,
                     help="k of the extras P [rows, k] and R [cols, k] in the side-matrix exchange's figures")
+    ap.add_argument("--momentum-factor-rank", type=int, default=0,
+                    help="the optimizer's momentum_4bit_factor_rank (with --state-format 4bit): the step timed "
+                         "with Muon4bit's factor")
     ap.add_argument("--bytes-only", action="store_true",
                     help="count the exchange's bytes only (no step, no allocation of the weights' values)")
     args = ap.parse_args()
@@ -105,6 +108,8 @@ def main() -> None:
     random = not args.bytes_only
     params = [torch.nn.Parameter(row_sharded(s, mesh, device, gen, random)) for s in muon_shapes(args.layers)]
     kw = {} if args.bucket_numel is None else {"exchange_bucket_numel": args.bucket_numel}
+    if args.momentum_factor_rank:
+        kw["momentum_4bit_factor_rank"] = args.momentum_factor_rank
     opt = LowBitMuon([{"params": params, "use_muon": True}], lr=1e-4, state_format=args.state_format,
                      weight_update=args.weight_update, **kw)
     for p in params:
@@ -113,11 +118,11 @@ def main() -> None:
     fp32 = [(idx, OwnerExchange([params[i] for i in idx], ex.dims, wire_dtype=torch.float32)) for idx, ex in buckets]
 
     k = args.factor_rank
-    factor = [[(Extra(ROWS, k, torch.float32), Extra(COLS, k, torch.float32))] * len(idx) for idx, _ in buckets]
+    factor = [[(Extra(ROWS, k, torch.bfloat16), Extra(COLS, k, torch.bfloat16))] * len(idx) for idx, _ in buckets]
 
     def factor_work(j, whole, side):
         """Stand-ins for P and R: the extras' shapes and dtypes, from the whole matrices."""
-        return whole, (side[:, :k].float(), whole[:k].T.float())
+        return whole, (side[:, :k].contiguous(), whole[:k].T.contiguous())
 
     def total(exchanges, **kw) -> int:
         sent = torch.tensor([sum(ex.bytes_sent(**kw) for _, ex in exchanges)], dtype=torch.int64,
@@ -128,7 +133,7 @@ def main() -> None:
     numel = sum(p.numel() for p in params)
     row = {"world": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
            "torch": torch.__version__, "matrices": len(params), "elements": numel, "buckets": len(buckets),
-           "state_format": args.state_format, "weight_update": args.weight_update,
+           "state_format": args.state_format, "momentum_factor_rank": args.momentum_factor_rank, "weight_update": args.weight_update,
            "bytes_sent_bf16": total(buckets), "bytes_sent_fp32": total(fp32),
            "bytes_sent_bf16_side": sum(total([b], side=True, extras=e) for b, e in zip(buckets, factor))}
     if not args.bytes_only:
