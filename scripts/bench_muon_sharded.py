@@ -133,7 +133,8 @@ def main() -> None:
     numel = sum(p.numel() for p in params)
     row = {"world": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
            "torch": torch.__version__, "matrices": len(params), "elements": numel, "buckets": len(buckets),
-           "state_format": args.state_format, "momentum_factor_rank": args.momentum_factor_rank, "weight_update": args.weight_update,
+           "state_format": args.state_format, "momentum_factor_rank": args.momentum_factor_rank,
+           "weight_update": args.weight_update,
            "bytes_sent_bf16": total(buckets), "bytes_sent_fp32": total(fp32),
            "bytes_sent_bf16_side": sum(total([b], side=True, extras=e) for b, e in zip(buckets, factor))}
     if not args.bytes_only:
