@@ -77,21 +77,23 @@ def newton_schulz_ms(opt, steps: int, warmup: int) -> tuple[float, int]:
     return statistics.median(times), flops
 
 
-# --formats name -> (label, LowBitMuon keyword arguments)
-FORMATS = {
-    "fp32": ("fp32 momentum", {"state_format": "fp32"}),
-    "bf16": ("bf16 momentum", {"state_format": "bf16"}),
-    "8bit": ("8bit momentum", {"state_format": "8bit"}),
-    "fp8": ("fp8 momentum", {"state_format": "fp8"}),
-    "4bit": ("4bit momentum (NF4)", {"state_format": "4bit"}),
-    "4bit-dynamic": ("4bit momentum (dynamic map)", {"state_format": "4bit", "momentum_4bit_levels": "dynamic"}),
-}
+def bench_formats() -> dict[str, tuple[str, dict]]:
+    """--formats name -> (row label, LowBitMuon keyword arguments): every state format, and
+    "4bit-dynamic" (the 4-bit momentum in the dynamic map instead of its default levels)."""
+    from titan_lowbit.optim.formats import STATE_FORMATS
+    from titan_lowbit.optim.muon_groups import DEFAULT_MOMENTUM_4BIT_LEVELS
+
+    rows = {name: (f"{name} momentum", {"state_format": name}) for name in STATE_FORMATS}
+    rows["4bit"] = (f"4bit momentum ({DEFAULT_MOMENTUM_4BIT_LEVELS})", {"state_format": "4bit"})
+    rows["4bit-dynamic"] = ("4bit momentum (dynamic)", {"state_format": "4bit", "momentum_4bit_levels": "dynamic"})
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    formats = bench_formats()
     ap.add_argument("--formats", nargs="+", default=["fp32", "8bit", "4bit", "4bit-dynamic"],
-                    choices=sorted(FORMATS))
+                    choices=sorted(formats))
     ap.add_argument("--paths", nargs="+", default=["reference", "fused"], choices=["reference", "fused"])
     ap.add_argument("--weight-update", default="stochastic")
     ap.add_argument("--steps", type=int, default=10)
@@ -110,7 +112,7 @@ def main() -> None:
         for path in args.paths:
             gen = torch.Generator(device="cuda").manual_seed(0)
             params = named_params(gen)
-            label, kwargs = FORMATS[fmt]
+            label, kwargs = formats[fmt]
             opt = LowBitMuon(params, lr=1e-3, weight_decay=0.1, weight_update=args.weight_update, **kwargs)
             if path == "reference":
                 opt._use_fused = lambda t: False
