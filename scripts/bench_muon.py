@@ -10,8 +10,7 @@ bf16 gradients, named so that the embedding and the output head go to LowBitMuon
 part; the 154 matrices of the 22 layers (0.97B elements) are Muon's. For each momentum
 format and path ("fused": kernels/muon_lowbit.py, as on every CUDA tensor; "reference":
 kernels/muon_ref.py's PyTorch ops, forced) one row. "4bit" is Muon4bit as it comes (NF4
-levels); "4bit-dynamic" the same with ``momentum_4bit_levels="dynamic"``; "4bit-factor" with
-``momentum_4bit_factor_rank=8``:
+levels); "4bit-dynamic" the same with ``momentum_4bit_levels="dynamic"``:
 
 * step ms: the whole optimizer step (Muon and AdamW parts), median of --steps steps after
   --warmup, each between host syncs (bench_optimizer.time_steps);
@@ -78,22 +77,26 @@ def newton_schulz_ms(opt, steps: int, warmup: int) -> tuple[float, int]:
     return statistics.median(times), flops
 
 
-# --formats name -> (label, LowBitMuon keyword arguments)
-FORMATS = {
-    "fp32": ("fp32 momentum", {"state_format": "fp32"}),
-    "bf16": ("bf16 momentum", {"state_format": "bf16"}),
-    "8bit": ("8bit momentum", {"state_format": "8bit"}),
-    "fp8": ("fp8 momentum", {"state_format": "fp8"}),
-    "4bit": ("4bit momentum (NF4)", {"state_format": "4bit"}),
-    "4bit-dynamic": ("4bit momentum (dynamic map)", {"state_format": "4bit", "momentum_4bit_levels": "dynamic"}),
-    "4bit-factor": ("4bit momentum (NF4) + rank-8 factor", {"state_format": "4bit", "momentum_4bit_factor_rank": 8}),
-}
+def bench_formats() -> dict[str, tuple[str, dict]]:
+    """--formats name -> (row label, LowBitMuon keyword arguments): every state format,
+    "4bit-dynamic" (the 4-bit momentum in the dynamic map instead of its default levels) and
+    "4bit-factor" (with a rank-8 factor beside its codes)."""
+    from titan_lowbit.optim.formats import STATE_FORMATS
+    from titan_lowbit.optim.muon_groups import DEFAULT_MOMENTUM_4BIT_LEVELS
+
+    rows = {name: (f"{name} momentum", {"state_format": name}) for name in STATE_FORMATS}
+    rows["4bit"] = (f"4bit momentum ({DEFAULT_MOMENTUM_4BIT_LEVELS})", {"state_format": "4bit"})
+    rows["4bit-dynamic"] = ("4bit momentum (dynamic)", {"state_format": "4bit", "momentum_4bit_levels": "dynamic"})
+    rows["4bit-factor"] = (f"4bit momentum ({DEFAULT_MOMENTUM_4BIT_LEVELS}) + rank-8 factor",
+                           {"state_format": "4bit", "momentum_4bit_factor_rank": 8})
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    formats = bench_formats()
     ap.add_argument("--formats", nargs="+", default=["fp32", "8bit", "4bit", "4bit-dynamic", "4bit-factor"],
-                    choices=sorted(FORMATS))
+                    choices=sorted(formats))
     ap.add_argument("--paths", nargs="+", default=["reference", "fused"], choices=["reference", "fused"])
     ap.add_argument("--weight-update", default="stochastic")
     ap.add_argument("--steps", type=int, default=10)
@@ -112,7 +115,7 @@ def main() -> None:
         for path in args.paths:
             gen = torch.Generator(device="cuda").manual_seed(0)
             params = named_params(gen)
-            label, kwargs = FORMATS[fmt]
+            label, kwargs = formats[fmt]
             opt = LowBitMuon(params, lr=1e-3, weight_decay=0.1, weight_update=args.weight_update, **kwargs)
             if path == "reference":
                 opt._use_fused = lambda t: False
