@@ -21,6 +21,20 @@ Math, per element, all in fp32 (the twin is ``muon_ref.py``, phase by phase)::
                   rounding keyed by the element's index in the whole matrix, so a shard
                   rounds as the whole matrix does)
 
+With a momentum factor (``Muon4bit``'s rank-k ``P`` [rows, k], ``R`` [cols, k], bf16) the
+stored momentum is ``dequant(momentum) + F`` with ``F[i, j] = sum_l P[i, l] * R[j, l]``
+(l ascending, fp32), and the new factor comes from the whole new momentum, which only
+the matrix's owner sees (``muon_exchange``). So the momentum kernel runs twice, around
+the owner's work::
+
+    INPUT launch      m = dequant(momentum) + F(P, R);  m, u as above
+                      U = bf16_rne(u), Mw = bf16_rne(m) written; nothing stored
+                      (guarded: flag <- 1 if a block of m holds an inf/nan)
+    (the owner: O = NewtonSchulz5(U), the new factor P', R' from Mw)
+    STORE launch      m recomputed as in the INPUT launch (the state is unchanged)
+                      momentum <- requant(m - F(P', R')); U, Mw not written
+                      (guarded: staged, flag <- 1 if a block of m - F(P', R') holds an inf/nan)
+
 The non-finite guard is the reference's, per *matrix*: where the new momentum or weight
 of any element is not finite, neither is written. No launch can see the whole matrix, so
 a guarded step (a 1-element int32 ``flag``, zero on entry) runs
@@ -54,7 +68,7 @@ import triton
 import triton.language as tl
 
 from .adamw_lowbit import interpreting
-from .muon_ref import MuonConfig, MuonHyper, MuonTensor, newton_schulz, update_scale
+from .muon_ref import MuonConfig, MuonHyper, MuonTensor, new_factor, newton_schulz, update_scale
 from .optim_jit import (
     _K_CODEC_NONE,
     _K_ENC_ROW,
@@ -81,14 +95,40 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _muon_momentum_kernel(g_ptr, m_ptr, ms_ptr, out_ptr, outs_ptr, u_ptr, flag_ptr, tables_ptr, enc_tables_ptr,
+def _factor(p_ptr, r_ptr, bidx, bpr, bmask, emask, QBLOCK: tl.constexpr, RANK: tl.constexpr):
+    """F = P R^T on NB blocks [NB, QBLOCK] of a matrix (``bpr`` blocks per row): per
+    element sum_l P[row, l] * R[col, l], l ascending, in fp32 (muon_ref's order)."""
+    row = bidx // bpr
+    col = (bidx - row * bpr)[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
+    f = tl.zeros((bidx.shape[0], QBLOCK), dtype=tl.float32)
+    for l in tl.static_range(RANK):
+        p_l = tl.load(p_ptr + row * RANK + l, mask=bmask, other=0).to(tl.float32)
+        r_l = tl.load(r_ptr + col * RANK + l, mask=emask, other=0).to(tl.float32)
+        f = f + p_l[:, None] * r_l
+    return f
+
+
+# The momentum kernel's launches (PHASE): the single launch of a momentum without a
+# factor; the INPUT and STORE launches of a step with one (module docstring).
+PHASE_WHOLE, PHASE_INPUT, PHASE_STORE = 0, 1, 2
+_K_PHASE_INPUT = tl.constexpr(PHASE_INPUT)
+_K_PHASE_STORE = tl.constexpr(PHASE_STORE)
+
+
+@triton.jit
+def _muon_momentum_kernel(g_ptr, m_ptr, ms_ptr, out_ptr, outs_ptr, u_ptr, mw_ptr, flag_ptr, tables_ptr,
+                          enc_tables_ptr, fp_ptr, fr_ptr, np_ptr, nr_ptr,
                           cols, code_row, bpr, nblocks, one_minus_beta,
                           CODEC: tl.constexpr, NESTEROV: tl.constexpr, GUARD: tl.constexpr, EVEN: tl.constexpr,
-                          ALIGNED: tl.constexpr, HW_CAST: tl.constexpr, QBLOCK: tl.constexpr, NB: tl.constexpr):
+                          ALIGNED: tl.constexpr, HW_CAST: tl.constexpr, QBLOCK: tl.constexpr, NB: tl.constexpr,
+                          PHASE: tl.constexpr, RANK: tl.constexpr):
     """The momentum phase of NB blocks of one matrix: read momentum (m_ptr, its absmax at
-    ms_ptr) and gradient, write the Newton-Schulz input (u_ptr, bf16) and the requantized
-    new momentum (out_ptr, outs_ptr: the state itself, or a staging copy); GUARD: flag a
-    block whose new momentum is not finite."""
+    ms_ptr; RANK > 0: plus the factor of fp_ptr, fr_ptr) and gradient. PHASE_WHOLE: write
+    the Newton-Schulz input (u_ptr, bf16) and the requantized new momentum (out_ptr,
+    outs_ptr: the state itself, or a staging copy). PHASE_INPUT: write the Newton-Schulz
+    input and the new momentum in bf16 (mw_ptr), store nothing. PHASE_STORE: store the new
+    momentum less the new factor (np_ptr, nr_ptr). GUARD (WHOLE and INPUT): flag a block
+    whose new momentum is not finite."""
     PACKED: tl.constexpr = is_packed(CODEC)
     CBLOCK: tl.constexpr = QBLOCK // 2 if PACKED else QBLOCK
     bidx = tl.program_id(0) * NB + tl.arange(0, NB)
@@ -99,19 +139,27 @@ def _muon_momentum_kernel(g_ptr, m_ptr, ms_ptr, out_ptr, outs_ptr, u_ptr, flag_p
     g = _ld(g_ptr + eoff, emask, EVEN).to(tl.float32)
     raw, absmax = _load_raw(m_ptr, ms_ptr, eoff, coff, bidx, bmask, emask, cmask, CODEC, EVEN)
     m = _dequantize(raw, absmax, tab, CODEC, HW_CAST, -1)
+    if RANK > 0:
+        m = m + _factor(fp_ptr, fr_ptr, bidx, bpr, bmask, emask, QBLOCK, RANK)
     m = m + one_minus_beta * (g - m)
-    if NESTEROV:
-        u = m + one_minus_beta * (g - m)
-    else:
-        u = m
-    _st(u_ptr + eoff, _bf16_rne(u, HW_CAST), emask, EVEN)
+    if PHASE != _K_PHASE_STORE:
+        if NESTEROV:
+            u = m + one_minus_beta * (g - m)
+        else:
+            u = m
+        _st(u_ptr + eoff, _bf16_rne(u, HW_CAST), emask, EVEN)
+    if PHASE == _K_PHASE_INPUT:
+        _st(mw_ptr + eoff, _bf16_rne(m, HW_CAST), emask, EVEN)
+    if PHASE == _K_PHASE_STORE:
+        m = m - _factor(np_ptr, nr_ptr, bidx, bpr, bmask, emask, QBLOCK, RANK)
     # nan-propagating, as the reference's amax: a nan momentum (an unguarded step) is
     # stored as the reference stores it
     m_abs = _block_absmax(m, emask, EVEN, True)
     if GUARD:
         tl.store(flag_ptr + bidx * 0, 1, mask=bmask & ~(m_abs < float("inf")))
-    _store_state(m, m_abs, out_ptr, outs_ptr, 0, tab, etab, eoff, coff, bidx, bmask, emask, cmask,
-                 CODEC, NB, QBLOCK, EVEN, HW_CAST, -1)
+    if PHASE != _K_PHASE_INPUT:
+        _store_state(m, m_abs, out_ptr, outs_ptr, 0, tab, etab, eoff, coff, bidx, bmask, emask, cmask,
+                     CODEC, NB, QBLOCK, EVEN, HW_CAST, -1)
 
 
 # key and the stochastic-rounding offsets change between steps and shards: without
@@ -228,28 +276,85 @@ def _contiguous(x: torch.Tensor, what: str) -> torch.Tensor:
     return x
 
 
+def _factor_pair(factor: tuple[torch.Tensor, torch.Tensor], lay: _Layout, what: str) -> int:
+    """The rank of a factor (P [rows, k], R [cols, k], contiguous) of a launch's matrix."""
+    p, r = factor
+    rank = p.shape[1] if p.dim() == 2 else -1
+    if p.shape != (lay.rows, rank) or r.shape != (lay.cols, rank) or rank < 1:
+        raise ValueError(f"the {what} factor of a {lay.rows}x{lay.cols} momentum must be P [rows, k] and "
+                         f"R [cols, k] with k >= 1; got {tuple(p.shape)} and {tuple(r.shape)}")
+    _contiguous(p, f"{what} factor's P")
+    _contiguous(r, f"{what} factor's R")
+    return rank
+
+
+def _momentum_launch(cfg: MuonConfig, t: MuonTensor, grad: torch.Tensor, hyper: MuonHyper,
+                     flag: Optional[torch.Tensor], stage: bool, phase: int,
+                     factor: Optional[tuple[torch.Tensor, torch.Tensor]],
+                     new_factor: Optional[tuple[torch.Tensor, torch.Tensor]]):
+    """One launch of the momentum kernel (``flag``: the guard's, WHOLE and INPUT launches;
+    ``stage``: the new momentum into a staging copy, not the state); returns (U or None,
+    bf16 new momentum or None, staged momentum or None)."""
+    grad = _contiguous(grad, "gradient")
+    lay = _layout(cfg, t, grad)
+    rank = 0 if factor is None else _factor_pair(factor, lay, "stored")
+    if new_factor is not None and _factor_pair(new_factor, lay, "new") != rank:
+        raise ValueError("the new momentum factor's rank differs from the stored one's")
+    if rank and cfg.codec == _K_CODEC_NONE:
+        raise ValueError("a momentum factor goes with a quantized momentum (the residual's codes)")
+    u = mw = None
+    if phase != PHASE_STORE:
+        u = torch.empty(lay.rows, lay.cols, dtype=torch.bfloat16, device=grad.device)
+    if phase == PHASE_INPUT:
+        mw = torch.empty(lay.rows, lay.cols, dtype=torch.bfloat16, device=grad.device)
+    scale = t.momentum_scale if t.momentum_scale is not None else t.momentum
+    staged = None
+    if stage:
+        staged = StagedMomentum(torch.empty_like(t.momentum),
+                                None if t.momentum_scale is None else torch.empty_like(t.momentum_scale))
+    out, outs = (t.momentum, scale) if staged is None else _stored(staged)
+    fp, fr = factor if factor is not None else (grad, grad)  # never read without a factor
+    np_, nr = new_factor if new_factor is not None else (fp, fr)
+    tables, enc = _tables(grad.device)
+    _muon_momentum_kernel[(triton.cdiv(lay.nblocks, lay.nb),)](
+        grad, t.momentum, scale, out, outs, grad if u is None else u, grad if mw is None else mw,
+        grad if flag is None else flag, tables, enc, fp, fr, np_, nr,
+        lay.cols, lay.code_row, lay.bpr, lay.nblocks, 1.0 - hyper.momentum,
+        cfg.codec, cfg.nesterov, flag is not None, lay.even, lay.aligned,
+        not interpreting(), cfg.block, lay.nb, phase, rank, num_warps=NUM_WARPS)
+    return u, mw, staged
+
+
 def momentum_and_input(cfg: MuonConfig, t: MuonTensor, grad: torch.Tensor, hyper: MuonHyper,
                        flag: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[StagedMomentum]]:
     """The momentum phase of ``t`` (a matrix or a shard): the Newton-Schulz input U
     (bf16, shaped like the parameter) and, with ``flag`` (a guarded step), the new momentum
     staged (the state is left as it is; ``flag`` set if the new momentum is not finite);
     without it the state is written in place and None returned."""
-    grad = _contiguous(grad, "gradient")
-    lay = _layout(cfg, t, grad)
-    u = torch.empty(lay.rows, lay.cols, dtype=torch.bfloat16, device=grad.device)
-    scale = t.momentum_scale if t.momentum_scale is not None else t.momentum
-    staged = None
-    if flag is not None:
-        staged = StagedMomentum(torch.empty_like(t.momentum),
-                                None if t.momentum_scale is None else torch.empty_like(t.momentum_scale))
-    out, outs = (t.momentum, scale) if staged is None else _stored(staged)
-    tables, enc = _tables(grad.device)
-    _muon_momentum_kernel[(triton.cdiv(lay.nblocks, lay.nb),)](
-        grad, t.momentum, scale, out, outs, u, u if flag is None else flag, tables, enc,
-        lay.cols, lay.code_row, lay.bpr, lay.nblocks, 1.0 - hyper.momentum,
-        cfg.codec, cfg.nesterov, flag is not None, lay.even, lay.aligned, not interpreting(), cfg.block, lay.nb,
-        num_warps=NUM_WARPS)
+    u, _, staged = _momentum_launch(cfg, t, grad, hyper, flag, flag is not None, PHASE_WHOLE, None, None)
     return u, staged
+
+
+def factored_input(cfg: MuonConfig, t: MuonTensor, grad: torch.Tensor, hyper: MuonHyper,
+                   factor: tuple[torch.Tensor, torch.Tensor],
+                   flag: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The INPUT launch of a momentum with a ``factor`` (P, R): (the Newton-Schulz input
+    U, the new momentum in bf16), both shaped like the parameter; nothing is stored.
+    ``flag`` (a guarded step): set if the new momentum is not finite."""
+    u, mw, _ = _momentum_launch(cfg, t, grad, hyper, flag, False, PHASE_INPUT, factor, None)
+    return u, mw
+
+
+def store_factored(cfg: MuonConfig, t: MuonTensor, grad: torch.Tensor, hyper: MuonHyper,
+                   factor: tuple[torch.Tensor, torch.Tensor], new_factor: tuple[torch.Tensor, torch.Tensor],
+                   flag: Optional[torch.Tensor] = None) -> Optional[StagedMomentum]:
+    """The STORE launch: the new momentum (recomputed from the unchanged state, its stored
+    ``factor`` and ``grad``, as ``factored_input`` computed it) less ``new_factor``,
+    requantized. With ``flag`` (a guarded step): into a staging copy, returned for the
+    weight kernel's WRITE launch to commit, ``flag`` set if what is stored would not be
+    finite; without it into the state in place (None returned)."""
+    _, _, out = _momentum_launch(cfg, t, grad, hyper, flag, flag is not None, PHASE_STORE, factor, new_factor)
+    return out
 
 
 def _weight_launch(cfg: MuonConfig, t: MuonTensor, o: torch.Tensor, hyper: MuonHyper, shape: tuple[int, int],
@@ -292,6 +397,9 @@ def muon_step_fused(cfg: MuonConfig, t: MuonTensor, grad: torch.Tensor, hyper: M
     kernels). ``flag`` (int32, one element, zero on entry): the guarded step, which writes
     nothing where the new momentum or weight would hold an inf/nan and sets ``flag``;
     read it when convenient (no host sync here)."""
+    if cfg.factor_rank:
+        _factored_step(cfg, t, grad, hyper, flag)
+        return
     u, staged = momentum_and_input(cfg, t, grad, hyper, flag)
     o = newton_schulz(u, hyper.ns_steps, hyper.ns_coefficients)
     del u
@@ -299,3 +407,29 @@ def muon_step_fused(cfg: MuonConfig, t: MuonTensor, grad: torch.Tensor, hyper: M
     if flag is not None:
         check_weight(cfg, t, o, hyper, shape, flag)
     write_weight(cfg, t, o, hyper, shape, flag, staged)
+
+
+def commit_factor(t: MuonTensor, new: tuple[torch.Tensor, torch.Tensor], flag: Optional[torch.Tensor]) -> None:
+    """Write the ``new`` factor into ``t``'s state, unless ``flag`` (a guarded step's) is
+    set: decided on the device, no host sync."""
+    for state, value in zip((t.row_factor, t.col_factor), new):
+        state.copy_(value if flag is None else torch.where(flag.bool(), state, value))
+
+
+def _factored_step(cfg: MuonConfig, t: MuonTensor, grad: torch.Tensor, hyper: MuonHyper,
+                   flag: Optional[torch.Tensor]) -> None:
+    """``muon_step_fused`` of a momentum with a factor: the INPUT launch, Newton-Schulz and
+    the new factor from the new momentum in bf16 (``muon_ref.new_factor``, PyTorch ops), the
+    STORE launch, the weight kernel's launches, the factor written where the step is."""
+    factor = (t.row_factor, t.col_factor)
+    u, mw = factored_input(cfg, t, grad, hyper, factor, flag)
+    o = newton_schulz(u, hyper.ns_steps, hyper.ns_coefficients)
+    del u
+    new = tuple(x.contiguous() for x in new_factor(t.col_factor, mw))  # a QR's Q may be column-major
+    del mw
+    staged = store_factored(cfg, t, grad, hyper, factor, new, flag)
+    shape = tuple(t.param.shape)
+    if flag is not None:
+        check_weight(cfg, t, o, hyper, shape, flag)
+    write_weight(cfg, t, o, hyper, shape, flag, staged)
+    commit_factor(t, new, flag)

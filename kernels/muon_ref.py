@@ -29,11 +29,32 @@ format; every step dequantizes it, updates it in fp32 and requantizes it. The fp
 lands in the weight by the same rules (and the same code) as AdamW's step:
 ``adamw_lowbit_ref.land_weight``.
 
+A 4-bit momentum may keep a rank-``k`` factor beside its codes (``factor_rank``, LowBitMuon's
+``momentum_4bit_factor_rank``): ``P`` ``[rows, k]`` and ``R`` ``[cols, k]`` in bf16, and the
+stored momentum is ``deq(codes) + F`` with ``F = P R^T`` (``factor_product``). The codes
+then hold only the residual ``M - F``. Muon's momentum is dominated by a few directions
+(the gradients of successive steps share them), and a 4-bit code of a block spends its
+levels on its largest values: with those directions taken out, the codes' absmax per
+block shrinks and so does every element's rounding error, which otherwise lives on for
+about ``1 / (1 - beta)`` steps. At every step, from the new momentum ``M`` rounded to bf16
+(``Mb``; bf16 because that is what a sharded matrix's owner receives of it), one subspace
+iteration warm-started from the old column factor gives the new factor::
+
+    Q = orth(R_old);  P = bf16(orth(Mb Q));  R = bf16(Mb^T P)      (``new_factor``)
+    codes <- quant4(M - F(P, R))
+
+``orth`` is the Q of a reduced QR in fp32; ``F(P, R) = P P^T Mb`` is ``Mb``'s part in the
+span of ``P``, which the iteration moves toward ``Mb``'s top-``k`` left singular vectors.
+The factor must come from ``M`` itself: one of the Nesterov input, or a step late, leaves
+the codes a residual that the factor no longer fits. ``P`` starts at zero (the stored
+momentum starts at zero, as without a factor) and ``R`` at a seeded random orthonormal
+basis (``initial_col_factor``), so the first step needs no special case.
+
 This is the pure-PyTorch twin of the fused kernels of ``muon_lowbit.py`` (the elementwise
 phases; Newton-Schulz is these matmuls on either path): the same fp32 operations in the
 same order, so that under ``TRITON_INTERPRET=1`` the two agree bit for bit; it is what runs
 where there is no GPU. It comes in phases (``momentum_and_input``, ``newton_schulz``,
-``new_weight``, ``write_step``) so that a sharded matrix
+``new_weight``, ``new_factor``, ``write_step``) so that a sharded matrix
 (``titan_lowbit.optim.muon_exchange``) runs the elementwise phases on its shard and
 Newton-Schulz on the whole matrix, with the same ops as ``muon_step_reference``.
 """
@@ -96,6 +117,7 @@ class MuonConfig:
     block: int  # quantization block along a row
     weight_update: int  # adamw_interface.UPDATE_*
     nesterov: bool
+    factor_rank: int = 0  # k of the momentum's factor beside its codes (0: none; codes only)
 
 
 @dataclasses.dataclass
@@ -112,6 +134,10 @@ class MuonTensor:
     # the same element in the whole matrix, so sharded and whole round alike.
     sr_base: int = 0
     sr_row_stride: Optional[int] = None
+    # The momentum's factor (MuonConfig.factor_rank > 0): bf16 P [rows, k] and R [cols, k] of
+    # the rows and columns held here (a shard's: the whole matrix's rows and columns of it).
+    row_factor: Optional[torch.Tensor] = None
+    col_factor: Optional[torch.Tensor] = None
 
 
 @dataclasses.dataclass
@@ -125,12 +151,62 @@ class MuonHyper:
     step: int  # 1 on the first step
 
 
+def factor_product(row_factor: torch.Tensor, col_factor: torch.Tensor) -> torch.Tensor:
+    """``F = P R^T`` in fp32, ``[rows, cols]``, of a factor ``P`` ``[rows, k]``, ``R``
+    ``[cols, k]``: per element, from 0.0, ``F[i, j] += fp32(P[i, l]) * fp32(R[j, l])`` for
+    ``l = 0 .. k-1`` in that order, each product rounded to fp32 before it is added (no
+    fused multiply-add, no matmul's order of sums). So a kernel can give the same bits, and
+    a shard's ``F`` (its rows of ``P``, its columns of ``R``) is the whole matrix's ``F``
+    on its rows and columns, bit for bit."""
+    p, r = row_factor.to(torch.float32), col_factor.to(torch.float32)
+    f = torch.zeros(p.shape[0], r.shape[0], dtype=torch.float32, device=p.device)
+    for l in range(p.shape[1]):
+        f = f + p[:, l, None] * r[None, :, l]
+    return f
+
+
+def orthonormal_columns(x: torch.Tensor) -> torch.Tensor:
+    """The Q of the reduced QR decomposition of ``x`` ``[n, k]`` (n >= k), in fp32: ``k``
+    orthonormal columns spanning ``x``'s (any others where ``x`` has a lower rank)."""
+    return torch.linalg.qr(x.to(torch.float32), mode="reduced").Q
+
+
+def initial_col_factor(cols: int, rank: int, key: int) -> torch.Tensor:
+    """The column factor ``R`` a matrix's momentum starts with: a random orthonormal
+    ``[cols, rank]`` basis (the Q of a Gaussian matrix's QR) in bf16, on the CPU, from a
+    generator seeded with ``key`` (the matrix's: the optimizer's seed and the matrix's
+    position), for the whole matrix: a shard takes its columns of it."""
+    gen = torch.Generator().manual_seed(key)
+    return bf16_rne(orthonormal_columns(torch.randn(cols, rank, generator=gen, dtype=torch.float32)))
+
+
+def new_factor(col_factor: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P, R) in bf16, the new factor of the whole new momentum ``m`` (fp32 ``[rows,
+    cols]``): one subspace iteration on ``Mb`` (``m`` rounded to bf16) from the old column
+    factor ``col_factor``: ``P = orth(Mb orth(R_old))``, ``R = Mb^T P`` with the stored
+    (bf16) ``P``, so that ``F(P, R) = P P^T Mb``."""
+    mb = bf16_rne(m).to(torch.float32)
+    row = bf16_rne(orthonormal_columns(mb @ orthonormal_columns(col_factor)))
+    return row, bf16_rne(mb.T @ row.to(torch.float32))
+
+
 def load_momentum(cfg: MuonConfig, t: MuonTensor) -> torch.Tensor:
-    """The momentum in fp32, ``[rows, cols]``."""
+    """The momentum in fp32, ``[rows, cols]``: plain, or decoded from its codes, plus its
+    factor's ``F`` where it keeps one."""
     rows, cols = t.param.shape
     if cfg.codec == CODEC_NONE:
         return t.momentum.to(torch.float32)
-    return dequantize_blockwise(t.momentum, t.momentum_scale, cfg.codec, cfg.block, cols)
+    m = dequantize_blockwise(t.momentum, t.momentum_scale, cfg.codec, cfg.block, cols)
+    if cfg.factor_rank:
+        m = m + factor_product(t.row_factor, t.col_factor)
+    return m
+
+
+def momentum_to_store(m: torch.Tensor, factor: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """What ``store_momentum`` codes of the new momentum ``m`` (a whole matrix or a shard):
+    ``m`` itself, or its residual ``m - F`` beside the new ``factor`` (P, R: the rows and
+    columns of ``m``)."""
+    return m if factor is None else m - factor_product(*factor)
 
 
 def store_momentum(cfg: MuonConfig, t: MuonTensor, m: torch.Tensor) -> None:
@@ -167,29 +243,43 @@ def new_weight(cfg: MuonConfig, t: MuonTensor, o: torch.Tensor, hyper: MuonHyper
     return p, p * (1.0 - hyper.lr * hyper.weight_decay) - step_size * o.to(torch.float32)
 
 
-def finite(m: torch.Tensor, p_new: torch.Tensor) -> torch.Tensor:
-    """0-d bool: whether the new momentum and weight hold no inf/nan (no host sync)."""
-    return torch.isfinite(m).all() & torch.isfinite(p_new).all()
+def finite(*tensors: torch.Tensor) -> torch.Tensor:
+    """0-d bool: whether ``tensors`` (the new momentum and weight, and what is stored of
+    the momentum) hold no inf/nan (no host sync)."""
+    ok = torch.isfinite(tensors[0]).all()
+    for x in tensors[1:]:
+        ok = ok & torch.isfinite(x).all()
+    return ok
 
 
-def write_step(cfg: MuonConfig, t: MuonTensor, m: torch.Tensor, p: torch.Tensor, p_new: torch.Tensor,
-               hyper: MuonHyper) -> None:
-    """Store the new momentum and land the new weight (its ``weight_update`` rule)."""
+def write_step(cfg: MuonConfig, t: MuonTensor, stored: torch.Tensor, p: torch.Tensor, p_new: torch.Tensor,
+               hyper: MuonHyper, factor: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
+    """Store the new momentum (``stored``: ``momentum_to_store`` of it) with its new
+    ``factor`` where it keeps one, and land the new weight (its ``weight_update`` rule)."""
     cols = t.param.shape[1]
-    store_momentum(cfg, t, m)
+    if (factor is not None) != bool(cfg.factor_rank):
+        raise ValueError(f"write_step: a momentum of factor_rank {cfg.factor_rank} is stored "
+                         f"{'with its new factor' if cfg.factor_rank else 'without a factor'}")
+    if factor is not None:
+        t.row_factor.copy_(factor[0])
+        t.col_factor.copy_(factor[1])
+    store_momentum(cfg, t, stored)
     stride = cols if t.sr_row_stride is None else t.sr_row_stride
     land_weight(t.param, t.extra, p, p_new, cfg.weight_update, (t.sr_base, stride, t.sr_key, step_key(hyper.step)))
 
 
 def muon_step_reference(cfg: MuonConfig, t: MuonTensor, grad: torch.Tensor, hyper: MuonHyper,
                         guarded: bool = True) -> bool:
-    """Step one whole matrix in place. ``guarded``: where the new momentum or weight would
-    hold an inf/nan, write neither and return False (the caller names the parameter); else
-    write both and return True."""
+    """Step one whole matrix in place. ``guarded``: where the new momentum or weight (or
+    what would be stored of the momentum beside its factor) would hold an inf/nan, write
+    nothing (momentum, factor, weight) and return False (the caller names the parameter);
+    else write all and return True."""
     m, u = momentum_and_input(cfg, t, grad, hyper)
     o = newton_schulz(u, hyper.ns_steps, hyper.ns_coefficients)
     p, p_new = new_weight(cfg, t, o, hyper, tuple(t.param.shape))
-    if guarded and not bool(finite(m, p_new)):
+    factor = new_factor(t.col_factor, m) if cfg.factor_rank else None
+    stored = momentum_to_store(m, factor)
+    if guarded and not bool(finite(m, p_new) if factor is None else finite(m, p_new, stored)):
         return False
-    write_step(cfg, t, m, p, p_new, hyper)
+    write_step(cfg, t, stored, p, p_new, hyper, factor)
     return True

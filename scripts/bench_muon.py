@@ -78,21 +78,24 @@ def newton_schulz_ms(opt, steps: int, warmup: int) -> tuple[float, int]:
 
 
 def bench_formats() -> dict[str, tuple[str, dict]]:
-    """--formats name -> (row label, LowBitMuon keyword arguments): every state format, and
-    "4bit-dynamic" (the 4-bit momentum in the dynamic map instead of its default levels)."""
+    """--formats name -> (row label, LowBitMuon keyword arguments): every state format,
+    "4bit-dynamic" (the 4-bit momentum in the dynamic map instead of its default levels) and
+    "4bit-factor" (with a rank-8 factor beside its codes)."""
     from titan_lowbit.optim.formats import STATE_FORMATS
     from titan_lowbit.optim.muon_groups import DEFAULT_MOMENTUM_4BIT_LEVELS
 
     rows = {name: (f"{name} momentum", {"state_format": name}) for name in STATE_FORMATS}
     rows["4bit"] = (f"4bit momentum ({DEFAULT_MOMENTUM_4BIT_LEVELS})", {"state_format": "4bit"})
     rows["4bit-dynamic"] = ("4bit momentum (dynamic)", {"state_format": "4bit", "momentum_4bit_levels": "dynamic"})
+    rows["4bit-factor"] = (f"4bit momentum ({DEFAULT_MOMENTUM_4BIT_LEVELS}) + rank-8 factor",
+                           {"state_format": "4bit", "momentum_4bit_factor_rank": 8})
     return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     formats = bench_formats()
-    ap.add_argument("--formats", nargs="+", default=["fp32", "8bit", "4bit", "4bit-dynamic"],
+    ap.add_argument("--formats", nargs="+", default=["fp32", "8bit", "4bit", "4bit-dynamic", "4bit-factor"],
                     choices=sorted(formats))
     ap.add_argument("--paths", nargs="+", default=["reference", "fused"], choices=["reference", "fused"])
     ap.add_argument("--weight-update", default="stochastic")

@@ -14,9 +14,13 @@ from rank 0:
 * bytes each rank sends to the others per step, counted from the exchange's own routes
   (``OwnerExchange.bytes_sent``), summed over ranks, for the bf16 exchange the optimizer
   runs and for the same exchange in fp32 (what an fp32-momentum exchange would send);
+* the same for the bf16 exchange with a side matrix and extras, as a rank-k momentum
+  factor uses it: the momentum travels with the Newton-Schulz input, and P [rows, k] and
+  R [cols, k] (bf16, k = --factor-rank) come back in slices with the result;
 * (not with --bytes-only) the optimizer step's time (median of --steps steps after
   --warmup, each between host syncs); the exchange alone (the same buckets, no
-  Newton-Schulz) in bf16 and in fp32; peak memory allocated during the steps.
+  Newton-Schulz) in bf16, in fp32, and in bf16 with the side matrix and extras; peak
+  memory allocated during the steps.
 """
 
 from __future__ import annotations
@@ -79,6 +83,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=22, help="the first N of TinyLlama's 22 layers")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--factor-rank", type=int, default=8,
+                    help="k of the extras P [rows, k] and R [cols, k] in the side-matrix exchange's figures")
+    ap.add_argument("--momentum-factor-rank", type=int, default=0,
+                    help="the optimizer's momentum_4bit_factor_rank (with --state-format 4bit): the step timed "
+                         "with Muon4bit's factor")
     ap.add_argument("--bytes-only", action="store_true",
                     help="count the exchange's bytes only (no step, no allocation of the weights' values)")
     args = ap.parse_args()
@@ -86,7 +95,7 @@ def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from titan_lowbit.optim import LowBitMuon
-    from titan_lowbit.optim.muon_exchange import OwnerExchange
+    from titan_lowbit.optim.muon_exchange import COLS, ROWS, Extra, OwnerExchange
 
     cuda = torch.cuda.is_available() and not args.bytes_only
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -99,6 +108,8 @@ def main() -> None:
     random = not args.bytes_only
     params = [torch.nn.Parameter(row_sharded(s, mesh, device, gen, random)) for s in muon_shapes(args.layers)]
     kw = {} if args.bucket_numel is None else {"exchange_bucket_numel": args.bucket_numel}
+    if args.momentum_factor_rank:
+        kw["momentum_4bit_factor_rank"] = args.momentum_factor_rank
     opt = LowBitMuon([{"params": params, "use_muon": True}], lr=1e-4, state_format=args.state_format,
                      weight_update=args.weight_update, **kw)
     for p in params:
@@ -106,8 +117,15 @@ def main() -> None:
     buckets = opt._sharded(opt._muon_work())
     fp32 = [(idx, OwnerExchange([params[i] for i in idx], ex.dims, wire_dtype=torch.float32)) for idx, ex in buckets]
 
-    def total(exchanges) -> int:
-        sent = torch.tensor([sum(ex.bytes_sent() for _, ex in exchanges)], dtype=torch.int64,
+    k = args.factor_rank
+    factor = [[(Extra(ROWS, k, torch.bfloat16), Extra(COLS, k, torch.bfloat16))] * len(idx) for idx, _ in buckets]
+
+    def factor_work(j, whole, side):
+        """Stand-ins for P and R: the extras' shapes and dtypes, from the whole matrices."""
+        return whole, (side[:, :k].contiguous(), whole[:k].T.contiguous())
+
+    def total(exchanges, **kw) -> int:
+        sent = torch.tensor([sum(ex.bytes_sent(**kw) for _, ex in exchanges)], dtype=torch.int64,
                             device=device if cuda else "cpu")
         dist.all_reduce(sent)
         return int(sent.item())
@@ -115,8 +133,10 @@ def main() -> None:
     numel = sum(p.numel() for p in params)
     row = {"world": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
            "torch": torch.__version__, "matrices": len(params), "elements": numel, "buckets": len(buckets),
-           "state_format": args.state_format, "weight_update": args.weight_update,
-           "bytes_sent_bf16": total(buckets), "bytes_sent_fp32": total(fp32)}
+           "state_format": args.state_format, "momentum_factor_rank": args.momentum_factor_rank,
+           "weight_update": args.weight_update,
+           "bytes_sent_bf16": total(buckets), "bytes_sent_fp32": total(fp32),
+           "bytes_sent_bf16_side": sum(total([b], side=True, extras=e) for b, e in zip(buckets, factor))}
     if not args.bytes_only:
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         if cuda:
@@ -130,9 +150,17 @@ def main() -> None:
 
             def exchange_all(exchanges=exchanges, inputs=inputs):
                 for (_, ex), x in zip(exchanges, inputs):
-                    ex.run(x, lambda j, whole: whole)
+                    ex.run(x, lambda j, whole, _side: (whole, ()))
 
             row[label] = timed(exchange_all, args.steps, args.warmup, sync)
+        inputs = [[params[i].grad._local_tensor for i in idx] for idx, _ in buckets]
+        side = [[params[i]._local_tensor for i in idx] for idx, _ in buckets]
+
+        def exchange_side():
+            for (_, ex), x, m, e in zip(buckets, inputs, side, factor):
+                ex.run(x, factor_work, side=m, extras=e)
+
+        row["exchange_bf16_side_ms"] = timed(exchange_side, args.steps, args.warmup, sync)
     if rank == 0:
         print(json.dumps(row), flush=True)
         keys = [k for k in row if k.endswith(("_ms", "gib")) or k.startswith("bytes")]

@@ -21,6 +21,8 @@ from titan_lowbit.kernels.adamw_lowbit_ref import quantize_blockwise
 from titan_lowbit.kernels.quant_maps import CODEC_NONE
 from titan_lowbit.optim import LowBitMuon
 from titan_lowbit.optim.formats import STATE_FORMATS
+from titan_lowbit.optim.muon import COL_FACTOR as C_FACTOR_STATE
+from titan_lowbit.optim.muon import ROW_FACTOR as R_FACTOR_STATE
 from titan_lowbit.optim.muon_groups import DEFAULT_MOMENTUM_4BIT_LEVELS, MOMENTUM_4BIT_LEVELS, momentum_codec
 
 DEV = "cpu" if INTERPRET else "cuda"
@@ -233,19 +235,23 @@ def _model(dtype):
                                torch.nn.Linear(24, 1, bias=False)).to(dtype)
 
 
-@pytest.mark.parametrize("fmt,dtype,update,nonfinite", [
-    ("8bit", torch.bfloat16, "stochastic", "raise"), ("4bit", torch.bfloat16, "master_remainder", "ignore"),
-    ("fp32", torch.float32, "nearest", "skip"), ("fp8", torch.bfloat16, "kahan", "raise")])
-def test_optimizer_fused_path_matches_reference_path(fmt, dtype, update, nonfinite, monkeypatch):
+@pytest.mark.parametrize("fmt,dtype,update,nonfinite,rank", [
+    ("8bit", torch.bfloat16, "stochastic", "raise", 0), ("4bit", torch.bfloat16, "master_remainder", "ignore", 0),
+    ("fp32", torch.float32, "nearest", "skip", 0), ("fp8", torch.bfloat16, "kahan", "raise", 0),
+    ("4bit", torch.bfloat16, "stochastic", "raise", 3), ("4bit", torch.float32, "nearest", "skip", 8)])
+def test_optimizer_fused_path_matches_reference_path(fmt, dtype, update, nonfinite, rank, monkeypatch):
     """LowBitMuon with the kernels (forced on the CPU under the interpreter; on CUDA the
     path it takes) against the reference path on the CPU: identical weights and states
-    after a few steps; a nan gradient in a Muon matrix stops its step on both paths alike."""
+    after a few steps; a nan gradient in a Muon matrix stops its step on both paths alike.
+    ``rank``: a 4-bit momentum's factor (``momentum_4bit_factor_rank``); compiled, the
+    factor is compared as its product P R^T (a QR on another device may flip the signs of
+    P's and R's columns together)."""
     if not INTERPRET and not torch.cuda.is_available():
         pytest.skip("compiled kernels need a GPU")
     ref_model = _model(dtype)
     fused_model = copy.deepcopy(ref_model).to(DEV)
     kw = dict(lr=0.02, weight_decay=0.1, state_format=fmt, weight_update=update, min_quantized_numel=100,
-              nonfinite_grad=nonfinite, seed=3)
+              nonfinite_grad=nonfinite, seed=3, **({"momentum_4bit_factor_rank": rank} if rank else {}))
     ref_opt = LowBitMuon(ref_model.named_parameters(), **kw)
     fused_opt = LowBitMuon(fused_model.named_parameters(), **kw)
     if INTERPRET:
@@ -272,6 +278,12 @@ def test_optimizer_fused_path_matches_reference_path(fmt, dtype, update, nonfini
     assert len(writes) == 3 * (4 - (nonfinite == "skip"))  # the fused path stepped every matrix
     for (name, p), q in zip(ref_model.named_parameters(), fused_model.parameters()):
         states = [(k, v, fused_opt.state[q][k]) for k, v in ref_opt.state[p].items()]
+        factor = [(a, b) for k, a, b in states if k.endswith("_factor")]
+        if rank and factor:
+            assert [k for k, _, _ in states if k.endswith("_factor")] == [R_FACTOR_STATE, C_FACTOR_STATE]
+        if factor and not INTERPRET:
+            states = [x for x in states if not x[0].endswith("_factor")]
+            states.append(("factor product", *(R.factor_product(*[y.cpu() for y in pair]) for pair in zip(*factor))))
         for what, a, b in [("weight", p.detach(), q.detach())] + states:
             b = b.cpu()
             if INTERPRET:

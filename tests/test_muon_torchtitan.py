@@ -42,6 +42,7 @@ def test_muon_names_build_lowbit_muon_with_the_optimizer_and_lowbit_settings():
     muon, adamw = opt.param_groups
     assert muon["momentum"] == LowBit().muon_momentum == 0.95  # LowBitMuon's own default
     assert muon["momentum_4bit_levels"] == LowBit().muon_4bit_levels == "nf4"
+    assert muon["momentum_4bit_factor_rank"] == LowBit().muon_4bit_factor_rank == 0
     # [optimizer] betas and eps go to the inner AdamW; lr, weight decay and the layout to both
     from torchtitan.config import Optimizer as OptimizerConfig
     torchtitan = OptimizerConfig()
@@ -53,6 +54,9 @@ def test_muon_names_build_lowbit_muon_with_the_optimizer_and_lowbit_settings():
     opt = only(build(model, "Muon8bit", muon_momentum=0.9, muon_adamw_fqns=["tok_embeddings"]))
     assert opt.param_groups[0]["momentum"] == 0.9
     assert only(build(model, "Muon4bit", muon_4bit_levels="dynamic")).param_groups[0]["momentum_4bit_levels"] == "dynamic"
+    factored = only(build(model, "Muon4bit", muon_4bit_factor_rank=4))
+    assert factored.param_groups[0]["momentum_4bit_factor_rank"] == 4
+    assert factored.state[model.layers["0"].wq.weight]["momentum_buffer_row_factor"].shape == (64, 4)
     fp32_wq = only(build(model, "Muon4bit", muon_4bit_levels="dynamic", fp32_states=["wq.weight"]))
     assert [(g["state_format"], g["momentum_4bit_levels"]) for g in fp32_wq.param_groups if g["use_muon"]] == [
         ("fp32", "dynamic")]  # its one matrix keeps an fp32 momentum; the levels wait unused
@@ -72,6 +76,11 @@ def test_muon_names_build_lowbit_muon_with_the_optimizer_and_lowbit_settings():
     ("Muon8bit", dict(muon_4bit_levels="dynamic"), {}, r"\[lowbit\] muon_4bit_levels = 'dynamic' sets the levels of "
                                                        r"a 4-bit momentum, but \[optimizer\] name = 'Muon8bit' keeps "
                                                        r"a 8bit one. Choose Muon4bit"),
+    ("AdamW4bit", dict(muon_4bit_factor_rank=8), {}, r"\[lowbit\] muon_4bit_factor_rank set, .* not a Muon "
+                                                       r"optimizer"),
+    ("MuonFp8", dict(muon_4bit_factor_rank=8), {}, r"\[lowbit\] muon_4bit_factor_rank = 8 keeps a factor beside a "
+                                                    r"4-bit momentum, but \[optimizer\] name = 'MuonFp8' keeps a fp8 "
+                                                    r"one. Choose Muon4bit"),
     ("Muon8bit", dict(muon_adamw_fqns=["lm_head"]), {}, r"\[lowbit\] muon_adamw_fqns entry 'lm_head' matches no"),
     ("Muon", dict(block_size=64), {}, r"\[lowbit\] block_size set, but \[optimizer\] name = 'Muon' keeps fp32 "
                                       r"states.*Muon8bit"),
@@ -176,6 +185,29 @@ def test_checkpoint_of_a_muon_name_is_compared_with_the_run_before_loading(tmp_p
     step(resumed, run, seed=5)
     for a, b in zip(model.parameters(), run.parameters()):
         assert torch.equal(a, b)
+    # Muon4bit's momentum factor: recorded, and resumed bit for bit through DCP; a
+    # checkpoint that records none (the unrecorded one above) has no factor
+    factored = tmp_path / "factored"
+    model = Tiny()
+    opts = build(model, "Muon4bit", muon_4bit_factor_rank=4)
+    step(opts, model)
+    dcp.save({"optimizer": Container(model, opts).state_dict()}, checkpoint_id=str(factored))
+    with pytest.raises(CheckpointMismatch) as err:
+        check_compatible({"optimizer": Container(model, build(model, "Muon4bit"))}, str(factored))
+    assert "[lowbit] muon_4bit_factor_rank = 4 (--lowbit.muon_4bit_factor_rank 4)" in str(err.value), err.value
+    with pytest.raises(CheckpointMismatch, match=r"\[lowbit\] muon_4bit_factor_rank = 0 "):
+        check_compatible({"optimizer": Container(model, build(model, "Muon4bit", muon_4bit_factor_rank=4))},
+                         str(unrecorded))
+    run = Tiny()
+    run.load_state_dict(model.state_dict())
+    resumed = build(run, "Muon4bit", muon_4bit_factor_rank=4)
+    assert check_compatible({"optimizer": Container(run, resumed)}, str(factored)) is None
+    assert "state.layers.0.wq.weight.momentum_buffer_col_factor" in Container(run, resumed).state_dict()
+    dcp.load({"optimizer": resumed}, checkpoint_id=str(factored))
+    step(opts, model, seed=5)
+    step(resumed, run, seed=5)
+    for a, b in zip(model.parameters(), run.parameters()):
+        assert torch.equal(a, b)
     # an AdamW checkpoint resumed by a Muon name
     adamw = tmp_path / "adamw"
     model = checkpoint(adamw, "AdamW8bit")
@@ -198,3 +230,7 @@ def test_lowbit_muon_keys_are_checked_when_the_section_is_parsed():
     with pytest.raises(ValueError, match=r"\[lowbit\] muon_4bit_levels = 'nf3' is not valid; choose one of "
                                          r"\['nf4', 'dynamic'\]"):
         LowBit(muon_4bit_levels="nf3")
+    with pytest.raises(ValueError, match=r"\[lowbit\] muon_4bit_factor_rank = -1 must be >= 0"):
+        LowBit(muon_4bit_factor_rank=-1)
+    with pytest.raises(ValueError, match=r"\[lowbit\] muon_4bit_factor_rank = 8.0 must be a TOML int"):
+        LowBit(muon_4bit_factor_rank=8.0)

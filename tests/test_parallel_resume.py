@@ -172,11 +172,12 @@ MUON8 = ("--optimizer.name", "Muon8bit", "--optimizer.lr", "1e-2", "--lowbit.wei
 LAYER_MATRICES = 6 * 7  # wq, wk, wv, wo, w1, w2, w3 per layer
 
 
-def muon_resumed_bit_for_bit(dump, full: str, resumed: str, *weight_update_states: str) -> None:
+def muon_resumed_bit_for_bit(dump, full: str, resumed: str, *states: str) -> None:
     """The straight and resumed runs of a Muon name: equal losses after the resume and an
     equal last checkpoint; the loss falls (by how much depends on the corpus, the running
-    Python's standard library: no threshold); every layer matrix has an 8-bit momentum and
-    the states of its weight update, and moved from step SAVE to step STEPS."""
+    Python's standard library: no threshold); every layer matrix has a quantized momentum
+    and the ``states`` named (its weight update's, its factor's), and moved from step SAVE
+    to step STEPS."""
     full, resumed = step_losses(full), step_losses(resumed)
     assert sorted(full) == list(range(1, STEPS + 1)) and float(full[STEPS]) < float(full[1]), full
     assert resumed == {s: full[s] for s in range(SAVE + 1, STEPS + 1)}, (full, resumed)
@@ -186,23 +187,26 @@ def muon_resumed_bit_for_bit(dump, full: str, resumed: str, *weight_update_state
                 if k.endswith(".momentum_buffer_codes")]
     assert len(momentum) == LAYER_MATRICES and all(k.startswith("layers.") for k in momentum), momentum
     for fqn in momentum:
-        for state in weight_update_states:
+        for state in states:
             assert f"optimizer.state.{fqn}.{state}" in last, (fqn, state)
         assert last[fqn].dtype == torch.bfloat16 and not torch.equal(saved[fqn], last[fqn]), fqn
 
 
-def test_muon_on_hsdp_compiled_with_activation_checkpointing_resumes_bit_for_bit_and_reshards(
+def test_muon4bit_with_a_factor_on_hsdp_compiled_with_activation_checkpointing_resumes_bit_for_bit_and_reshards(
         tmp_path, prepared_data):
     # The model's blocks and the loss compiled (Inductor's C++ backend on the CPU path) and
     # recomputed in the backward; the optimizer step runs eagerly, as without compile.
+    # Muon4bit keeps a rank-4 factor beside its codes: P sharded by rows, R replicated,
+    # both in the checkpoint and resharded with it.
     dump = tmp_path / "muon_hsdp"
-    features = (*MUON8, "--lowbit.weight_update", "stochastic")
+    features = ("--optimizer.name", "Muon4bit", "--optimizer.lr", "1e-2", "--lowbit.weight_dtype", "bfloat16",
+                "--lowbit.weight_update", "stochastic", "--lowbit.muon_4bit_factor_rank", "4")
     full, resumed = straight_and_resumed(
         dump, "--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
         "--compile.enable", "--activation_checkpoint.mode", "full", *SMALL_STEPS, nproc=4, features=features)
     assert ("Compiling each TransformerBlock with torch.compile" in full
             and "Applied full activation checkpointing" in full), full[-3000:]
-    muon_resumed_bit_for_bit(dump, full, resumed)
+    muon_resumed_bit_for_bit(dump, full, resumed, "momentum_buffer_row_factor", "momentum_buffer_col_factor")
     reshards_onto_fsdp(dump, features=features)
 
 

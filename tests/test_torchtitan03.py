@@ -397,41 +397,58 @@ def test_checkpoint_of_another_optimizer_layout_is_named_before_dcp_loads_it(tmp
     assert "w2" not in four, four
 
 
-def test_muon4bit_checkpoint_without_its_momentum_levels_resumes_with_the_dynamic_map(tmp_path):
-    """A Muon4bit checkpoint that records no momentum_4bit_levels (written before the
-    option existed) holds the dynamic map: the checkpoint manager loads it into a run of
-    momentum_4bit_levels "dynamic", which goes on as the original; a run of the default
-    levels (NF4) is refused, naming the option."""
+def test_muon4bit_checkpoint_without_its_momentum_options_resumes_with_the_dynamic_map_and_no_factor(tmp_path):
+    """A Muon4bit checkpoint that records no momentum_4bit_levels and no
+    momentum_4bit_factor_rank (written before the options existed) holds the dynamic map
+    and no factor: the checkpoint manager loads it into a run of momentum_4bit_levels
+    "dynamic" (rank 0), which goes on as the original; a run of the default levels (NF4),
+    or with a factor, is refused, naming the option. A checkpoint with a factor resumes
+    bit for bit."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
 
-    def muon4(model, **levels):
+    def muon4(model, **options):
         return v03.LowBitOptimizersContainer.Config(param_groups=[ParamGroupConfig(
-            pattern=".*", optimizer_name="Muon4bit", optimizer_kwargs={"lr": 1e-2, **levels})]).build(model_parts=[model])
+            pattern=".*", optimizer_name="Muon4bit", optimizer_kwargs={"lr": 1e-2, **options})]).build(model_parts=[model])
 
-    def load(opt):  # as the trainer's checkpoint manager loads a resume (no model states here)
+    def load(opt, folder=tmp_path):  # as the trainer's checkpoint manager loads a resume (no model states here)
         manager = object.__new__(v03.CheckedCheckpointManager)
         manager.states = {}
-        manager.dcp_load({"optimizer": opt}, str(tmp_path), False, False)
+        manager.dcp_load({"optimizer": opt}, str(folder), False, False)
 
     model = Tiny()
     opt = muon4(model, momentum_4bit_levels="dynamic")
     train(model, opt, 2)
-    saved = {k: v for k, v in opt.state_dict().items() if not k.endswith(".momentum_4bit_levels")}
+    saved = {k: v for k, v in opt.state_dict().items()
+             if not k.endswith((".momentum_4bit_levels", ".momentum_4bit_factor_rank"))}
     assert len(saved) < len(opt.state_dict())
+    factored = muon4(Tiny(), momentum_4bit_factor_rank=4)
+    factored_model = factored.model_parts[0]
+    train(factored_model, factored, 2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP without a process group says it works in one process
         dcp.save({"optimizer": saved}, checkpoint_id=str(tmp_path), no_dist=True)
         with pytest.raises(Exception, match="saved with momentum_4bit_levels='dynamic', this optimizer was built "
                                             "with momentum_4bit_levels='nf4'"):
             load(muon4(Tiny()))
+        with pytest.raises(Exception, match=r"param 'w1': the checkpoint holds \['momentum_buffer_absmax', "
+                                            r"'momentum_buffer_codes', 'step'\], this run \['momentum_buffer_absmax', "
+                                            r"'momentum_buffer_codes', 'momentum_buffer_col_factor', .*"
+                                            r"momentum_4bit_factor_rank of the param groups"):
+            load(muon4(Tiny(), momentum_4bit_levels="dynamic", momentum_4bit_factor_rank=4))
         resumed = copy.deepcopy(model)
         again = muon4(resumed, momentum_4bit_levels="dynamic")
         load(again)
+        dcp.save({"optimizer": factored.state_dict()}, checkpoint_id=str(tmp_path / "factored"), no_dist=True)
+        factored_again = muon4(copy.deepcopy(factored_model), momentum_4bit_factor_rank=4)
+        load(factored_again, tmp_path / "factored")
     train(model, opt, 2, start=2)
     train(resumed, again, 2, start=2)
     assert_same(snapshot(model, opt), snapshot(resumed, again))
+    train(factored_model, factored, 2, start=2)
+    train(factored_again.model_parts[0], factored_again, 2, start=2)
+    assert_same(snapshot(factored_model, factored), snapshot(factored_again.model_parts[0], factored_again))
 
 
 def test_lowbit_adamw_override_turns_torch_adamw_groups_into_lowbit():
@@ -450,9 +467,10 @@ def test_lowbit_muon_override_turns_the_lowbit_adamw_groups_into_muon():
     from titan_lowbit.torchtitan.config_registry import lowbit_optimizer
 
     ready = v03.lowbit_muon(lowbit_optimizer(lr=3e-3), name="Muon4bit", momentum=0.9, adamw_fqns=["lm_head"],
-                            nonfinite_grad="raise")
-    assert [(g.optimizer_name, g.optimizer_kwargs.get("momentum")) for g in ready.param_groups] == [
-        ("AdamW", None), ("Muon4bit", 0.9)]  # torch's AdamW keeps norms, biases and embeddings
+                            nonfinite_grad="raise", momentum_4bit_factor_rank=4)
+    assert [(g.optimizer_name, g.optimizer_kwargs.get("momentum"), g.optimizer_kwargs.get("momentum_4bit_factor_rank"))
+            for g in ready.param_groups] == [("AdamW", None, None), ("Muon4bit", 0.9, 4)]  # torch's AdamW keeps norms,
+    # biases and embeddings
     assert ready.optimizer_factory_kwargs_by_name["Muon4bit"] == {"nonfinite_grad": "raise", "adamw_fqns": ["lm_head"]}
     plain = v03.lowbit_muon(default_adamw(lr=3e-4))  # no low-bit AdamW group: torch's AdamW groups
     assert [g.optimizer_name for g in plain.param_groups] == ["Muon8bit"]

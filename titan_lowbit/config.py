@@ -128,6 +128,13 @@ class LowBit:
     checkpoint that records no levels was written with "dynamic": resume it with that
     value. Refused with the other names."""
 
+    muon_4bit_factor_rank: int = _MUON_DEFAULTS["momentum_4bit_factor_rank"]
+    """k > 0: Muon4bit's momentum keeps a bf16 factor of rank min(k, rows, cols) beside
+    its codes, which then hold only the residual; renewed from the new momentum at every
+    step (2 k (rows + cols) bytes per matrix; docs/muon.md). 0: none. Not yet with a
+    matrix's columns split over ranks (tensor parallel; refused at start-up). A Muon4bit checkpoint
+    that records no rank was written with 0. Refused with the other names."""
+
     muon_adamw_fqns: list[str] = field(default_factory=lambda: list(MUON_DEFAULT_ADAMW_FQNS))
     """Fully-qualified-name fragments of the 2-D parameters that a Muon name steps with its
     inner AdamW instead of Muon (selected as fp32_states selects, titan_lowbit/
@@ -198,6 +205,9 @@ class LowBit:
                 f"[lowbit] block_size = {self.block_size} must be 0 (the format's default) "
                 "or a power of two >= 2"
             )
+        if self.muon_4bit_factor_rank < 0:
+            raise ValueError(f"[lowbit] muon_4bit_factor_rank = {self.muon_4bit_factor_rank} must be >= 0 "
+                             "(0: no factor)")
         if not 0 <= self.muon_momentum < 1:
             raise ValueError(f"[lowbit] muon_momentum = {self.muon_momentum} must lie in [0, 1)")
         if self.min_quantized_numel < 0:

@@ -8,7 +8,9 @@
 #           index): the kernels run compiled on the GPU, the CUDA-only tests run, the
 #           CPU-path tests run on the CPU beside them (1 GPU)
 #   compat  the runs behind docs/compatibility.md's GPU cells, each a resume check:
-#           compile with bf16 weights (1 GPU); float8 linears with AdamW8bit, fp32
+#           compile with bf16 weights (1 GPU); Muon4bit with a rank-8 momentum factor, bf16
+#           weights, FSDP2 (2 GPUs: the factor made at each matrix's owner over NCCL); float8
+#           linears with AdamW8bit, fp32
 #           weights and bf16 weights, and with Muon8bit, bf16 weights, FSDP2 (2 GPUs,
 #           torchao installed)
 #   bitnet  BitNet resumes bit for bit over NCCL: the debug model under TP 2 with
@@ -81,6 +83,8 @@ for c in "${checks[@]}"; do
       fi ;;
     compat)
       resume compile_bf16 1 $debug "${seeded[@]}" --compile.enable "${a8sr[@]}"
+      resume muon4_factor 2 $debug "${seeded[@]}" --optimizer.name Muon4bit --optimizer.lr 1e-2 \
+        --lowbit.muon_4bit_factor_rank 8 --lowbit.weight_dtype bfloat16 --lowbit.weight_update stochastic
       if "$python" -c "import torchao" 2>/dev/null; then
         resume float8_fp32 2 $debug "${seeded[@]}" "${float8[@]}" --optimizer.name AdamW8bit
         resume float8_bf16 2 $debug "${seeded[@]}" --compile.enable "${float8[@]}" \

@@ -22,7 +22,7 @@ import math
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from titan_lowbit.kernels.adamw_interface import UPDATE_NEAREST, WEIGHT_UPDATES
 from titan_lowbit.kernels import muon_lowbit
@@ -34,8 +34,11 @@ from titan_lowbit.kernels.muon_ref import (
     MuonHyper,
     MuonTensor,
     finite,
+    initial_col_factor,
     momentum_and_input,
+    momentum_to_store,
     muon_step_reference,
+    new_factor,
     new_weight,
     newton_schulz,
     write_step,
@@ -48,18 +51,23 @@ from .formats import param_format, weight_update_specs
 from .group_options import NONFINITE_POLICIES, SKIPPED, check_param, checked_local_grad
 from .hyperparams import hyper_value
 from .master_start import take_start, write_start
-from .muon_exchange import EXCHANGE_BUCKET_NUMEL, OwnerExchange, exchange_buckets, split_dims
+from .muon_exchange import COLS, EXCHANGE_BUCKET_NUMEL, ROWS, Extra, OwnerExchange, exchange_buckets, split_dims
 from .muon_groups import (
     DEFAULT_ADAMW_FQNS,
+    DEFAULT_MOMENTUM_4BIT_FACTOR_RANK,
     DEFAULT_MOMENTUM_4BIT_LEVELS,
+    MOMENTUM_4BIT_FACTOR_RANK,
     MOMENTUM_4BIT_LEVELS,
     MUON_FIXED_OPTIONS,
     MUON_ONLY_OPTIONS,
     SHARED_OPTIONS,
+    UNRECORDED_MUON_OPTIONS,
     USE_MUON,
-    check_levels_asked,
+    check_4bit_options_asked,
+    check_factor_param,
     check_muon_group,
     check_muon_param,
+    factor_rank,
     momentum_codec,
     muon_fixed_value,
     suits_muon,
@@ -74,6 +82,11 @@ _ADAMW_DEFAULTS = {k: v.default for k, v in inspect.signature(LowBitAdamW.__init
                    if v.default is not inspect.Parameter.empty}
 # The momentum's state entry (torch.optim.Muon's name); quantized: "_codes" and "_absmax".
 MOMENTUM = "momentum_buffer"
+# The factor beside a 4-bit momentum (momentum_4bit_factor_rank): P [rows, k] and R
+# [cols, k], and the parameter dimension each follows (its DTensor placements: P is
+# sharded as the parameter's rows are, R as its columns).
+ROW_FACTOR, COL_FACTOR = f"{MOMENTUM}_row_factor", f"{MOMENTUM}_col_factor"
+FACTOR_DIMS = {ROW_FACTOR: 0, COL_FACTOR: 1}
 # Stochastic-rounding keys of Muon's matrices: their position among the Muon parameters
 # plus this, apart from the inner AdamW's keys (positions among its parameters).
 _MUON_KEY_OFFSET = 1 << 30
@@ -103,6 +116,14 @@ class LowBitMuon(torch.optim.Optimizer):
             NormalFloat4; the default) or "dynamic" (the dynamic map of the "4bit"
             format's first moment, which its inner AdamW keeps). Other formats refuse a
             value but the default.
+        momentum_4bit_factor_rank: k > 0: a "4bit" momentum keeps a bf16 factor P R^T of
+            rank min(k, rows, cols) beside its codes, which hold only the residual; the
+            factor is renewed from the new momentum at every step (one subspace iteration:
+            two thin QRs and a few ``[rows, cols] x k`` products per matrix) and costs
+            2 k (rows + cols) bytes per matrix (``kernels.muon_ref``). 0 (the default): no
+            factor. Not yet for a matrix whose columns are split over ranks (tensor
+            parallel): refused.
+            Other formats refuse a value but 0.
         weight_update, block_size, min_quantized_numel, seed, nonfinite_grad: as in
             ``LowBitAdamW``, for both parts. ``nonfinite_grad="raise"``: a matrix whose
             new momentum or weight would hold an inf/nan keeps both unwritten and the step
@@ -146,6 +167,7 @@ class LowBitMuon(torch.optim.Optimizer):
                  nesterov: bool = True, ns_steps: int = NS_STEPS,
                  ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, matched_rms: float = MATCHED_RMS,
                  momentum_4bit_levels: str = DEFAULT_MOMENTUM_4BIT_LEVELS,
+                 momentum_4bit_factor_rank: int = DEFAULT_MOMENTUM_4BIT_FACTOR_RANK,
                  state_format: str = _ADAMW_DEFAULTS["state_format"],
                  weight_update: str = _ADAMW_DEFAULTS["weight_update"],
                  block_size: int = _ADAMW_DEFAULTS["block_size"],
@@ -166,7 +188,8 @@ class LowBitMuon(torch.optim.Optimizer):
             raise ValueError(f"adamw_options {own or unknown}: " + (
                 "set these on LowBitMuon itself (they are the whole optimizer's or Muon's)" if own else
                 f"not LowBitAdamW keywords; it takes {sorted(_ADAMW_DEFAULTS)}"))
-        check_levels_asked({MOMENTUM_4BIT_LEVELS: momentum_4bit_levels}, state_format, "LowBitMuon")
+        check_4bit_options_asked({MOMENTUM_4BIT_LEVELS: momentum_4bit_levels,
+                                  MOMENTUM_4BIT_FACTOR_RANK: momentum_4bit_factor_rank}, state_format, "LowBitMuon")
         if isinstance(exchange_bucket_numel, bool) or not isinstance(exchange_bucket_numel, int) \
                 or exchange_bucket_numel < 1:
             raise ValueError(f"exchange_bucket_numel={exchange_bucket_numel!r}: use an int >= 1 (elements)")
@@ -190,7 +213,8 @@ class LowBitMuon(torch.optim.Optimizer):
         self._all_names: list[str] = []
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         ns_coefficients=ns_coefficients, matched_rms=matched_rms,
-                        momentum_4bit_levels=momentum_4bit_levels, weight_decay=weight_decay,
+                        momentum_4bit_levels=momentum_4bit_levels,
+                        momentum_4bit_factor_rank=momentum_4bit_factor_rank, weight_decay=weight_decay,
                         state_format=state_format, weight_update=weight_update, block_size=block_size,
                         min_quantized_numel=min_quantized_numel)
         super().__init__(params, defaults)
@@ -289,7 +313,7 @@ class LowBitMuon(torch.optim.Optimizer):
             if flag:
                 muon_group = {**self.defaults, **muon_options, USE_MUON: True, SKIPPED: count,
                               "params": [params[i] for i in idx]}
-                check_levels_asked(muon_options, muon_group["state_format"], f"param group {gi}")
+                check_4bit_options_asked(muon_options, muon_group["state_format"], f"param group {gi}")
                 if names is not None:
                     muon_group["param_names"] = [names[i] for i in idx]
                 check_muon_group(muon_group, f"param group {gi}")
@@ -297,6 +321,7 @@ class LowBitMuon(torch.optim.Optimizer):
                     name = self._param_name(gi, pi, p, muon_group)
                     check_muon_param(p, name)
                     check_param(p, muon_group, name, "LowBitMuon")
+                    check_factor_param(p, factor_rank(p, param_format(p, muon_group)[0], muon_group), name)
         adamw_idx = next((idx for flag, idx in parts if not flag), None)
         if adamw_idx is not None:  # LowBitAdamW checks it and adds it whole, or not at all
             sub = {**adamw_options, USE_MUON: False,
@@ -347,7 +372,12 @@ class LowBitMuon(torch.optim.Optimizer):
             self._order[p] = len(self._order)
             state = self.state[p]
             for key, (shape, dtype, gshape) in muon_state_specs(p, group).items():
-                state[key] = like_param(p, torch.zeros(shape, dtype=dtype, device=local(p).device), gshape)
+                state[key] = like_param(p, torch.zeros(shape, dtype=dtype, device=local(p).device), gshape,
+                                        muon_state_placements(p, key))
+            if COL_FACTOR in state:
+                rank, col0 = local(state[COL_FACTOR]).shape[1], _local_offset(p)[1]
+                start = initial_col_factor(p.shape[1], rank, self._matrix_key(p))
+                local(state[COL_FACTOR]).copy_(start[col0:col0 + local(p).shape[1]])
             if "master" in state:
                 local(state["master"]).copy_(local(p).detach())
                 self._master_pending.add(p)
@@ -477,7 +507,7 @@ class LowBitMuon(torch.optim.Optimizer):
         if p in self._master_pending:
             take_start(p, state, self._master_offered)
             self._master_pending.discard(p)
-        cfg, tensor = muon_tensor(p, group, state, tensor_key(self.seed, _MUON_KEY_OFFSET + self._order[p]))
+        cfg, tensor = muon_tensor(p, group, state, self._matrix_key(p))
         where = f"param group of '{self._names[p]}'"
         hyper = MuonHyper(lr=hyper_value(where, "lr", group["lr"]),
                           momentum=hyper_value(where, "momentum", group["momentum"]),
@@ -486,6 +516,11 @@ class LowBitMuon(torch.optim.Optimizer):
                           matched_rms=hyper_value(where, "matched_rms", group["matched_rms"]),
                           step=int(state["step"]) + 1)
         return cfg, tensor, hyper
+
+    def _matrix_key(self, p: torch.Tensor) -> int:
+        """Muon matrix ``p``'s key (stochastic rounding, its factor's start): the seed and
+        its position among the Muon matrices."""
+        return tensor_key(self.seed, _MUON_KEY_OFFSET + self._order[p])
 
     def _sharded(self, work: list) -> list[tuple[list[int], OwnerExchange]]:
         """The exchanges of this step's sharded matrices, with their positions in ``work``;
@@ -512,22 +547,27 @@ class LowBitMuon(torch.optim.Optimizer):
         matrix whether it was written (the non-finite guard decides on every shard's
         values, on every rank alike)."""
         _place_shards(exchange, work, matrices)
-        moments, inputs = [], []
+        extras = _factor_extras(matrices)
+        moments, inputs, side = [], [], []
         for (_, p, g), (cfg, tensor, hyper) in zip(work, matrices):
             m, u = momentum_and_input(cfg, tensor, g, hyper)
             moments.append(m)
             inputs.append(u.to(exchange.wire_dtype))  # what travels, rounded now: the fp32 copy is not kept
-        outputs = exchange.run(inputs, _orthogonaliser(matrices))
-        del inputs
+            if extras is not None:  # the owner's new factor comes from the new momentum, in bf16
+                side.append((m if cfg.factor_rank else u).to(exchange.wire_dtype))
+        outputs, factors = exchange.run(inputs, _orthogonaliser(matrices), side if extras else None, extras)
+        del inputs, side
         weights = [new_weight(cfg, tensor, o, hyper, tuple(p.shape))
                    for (_, p, _), (cfg, tensor, hyper), o in zip(work, matrices, outputs)]
+        stored = [momentum_to_store(m, factor or None) for m, factor in zip(moments, factors)]
         ok = [True] * len(work)
         if guarded:
-            ok = exchange.all_finite(torch.stack([finite(m, p_new) for m, (_, p_new) in zip(moments, weights)]))
+            ok = exchange.all_finite(torch.stack([finite(m, p_new, s) for m, (_, p_new), s in
+                                                  zip(moments, weights, stored)]))
             ok = ok.tolist()
-        for good, m, (p_old, p_new), (cfg, tensor, hyper) in zip(ok, moments, weights, matrices):
+        for good, s, (p_old, p_new), (cfg, tensor, hyper), factor in zip(ok, stored, weights, matrices, factors):
             if good:
-                write_step(cfg, tensor, m, p_old, p_new, hyper)
+                write_step(cfg, tensor, s, p_old, p_new, hyper, factor or None)
         return ok
 
     @staticmethod
@@ -538,20 +578,35 @@ class LowBitMuon(torch.optim.Optimizer):
         ranks, the WRITE launch (which commits the staged momentum)."""
         _place_shards(exchange, work, matrices)
         flags = torch.zeros(len(work), dtype=torch.int32, device=exchange.device) if guarded else None
-        staged, inputs = [], []
+        extras = _factor_extras(matrices)
+        staged, inputs, side = [], [], []
         for j, ((_, p, g), (cfg, tensor, hyper)) in enumerate(zip(work, matrices)):
-            u, stage = muon_lowbit.momentum_and_input(cfg, tensor, g, hyper, None if flags is None else flags[j:j + 1])
+            flag = None if flags is None else flags[j:j + 1]
+            if cfg.factor_rank:  # the INPUT launch: the state is stored once the new factor is back
+                u, mw = muon_lowbit.factored_input(cfg, tensor, g, hyper, (tensor.row_factor, tensor.col_factor),
+                                                   flag)
+                stage = None
+            else:
+                (u, stage), mw = muon_lowbit.momentum_and_input(cfg, tensor, g, hyper, flag), None
             inputs.append(u)
             staged.append(stage)
-        outputs = exchange.run(inputs, _orthogonaliser(matrices))
-        del inputs
+            if extras is not None:
+                side.append(u if mw is None else mw)
+        outputs, factors = exchange.run(inputs, _orthogonaliser(matrices), side if extras else None, extras)
+        del inputs, side
+        for j, ((_, p, g), (cfg, tensor, hyper), factor) in enumerate(zip(work, matrices, factors)):
+            if factor:  # the STORE launch
+                staged[j] = muon_lowbit.store_factored(cfg, tensor, g, hyper, (tensor.row_factor, tensor.col_factor),
+                                                       factor, None if flags is None else flags[j:j + 1])
         if guarded:
             for j, ((_, p, _), (cfg, tensor, hyper), o) in enumerate(zip(work, matrices, outputs)):
                 muon_lowbit.check_weight(cfg, tensor, o, hyper, tuple(p.shape), flags[j:j + 1])
             flags.copy_((~exchange.all_finite(flags == 0)).to(torch.int32))
         for j, ((_, p, _), (cfg, tensor, hyper), o) in enumerate(zip(work, matrices, outputs)):
-            muon_lowbit.write_weight(cfg, tensor, o, hyper, tuple(p.shape), None if flags is None else flags[j:j + 1],
-                                     staged[j])
+            flag = None if flags is None else flags[j:j + 1]
+            muon_lowbit.write_weight(cfg, tensor, o, hyper, tuple(p.shape), flag, staged[j])
+            if factors[j]:
+                muon_lowbit.commit_factor(tensor, factors[j], flag)
         return [True] * len(work) if flags is None else (flags == 0).tolist()
 
     # The fused Triton kernels where LowBitAdamW runs its own (CUDA tensors), the PyTorch
@@ -613,8 +668,8 @@ class LowBitMuon(torch.optim.Optimizer):
             if not self._is_muon(gi):
                 adamw_groups.append(s)
                 continue
-            # momentum_4bit_levels may be unrecorded (muon_fixed_value says what that means)
-            missing = [k for k in MUON_ONLY_OPTIONS + SHARED_OPTIONS if k not in s and k != MOMENTUM_4BIT_LEVELS]
+            # UNRECORDED_MUON_OPTIONS may be unrecorded (muon_fixed_value says what that means)
+            missing = [k for k in MUON_ONLY_OPTIONS + SHARED_OPTIONS if k not in s and k not in UNRECORDED_MUON_OPTIONS]
             if missing:
                 raise ValueError(f"param group {gi} of the state dict has no {missing}: it was not saved by LowBitMuon")
             for k in MUON_FIXED_OPTIONS:
@@ -631,7 +686,8 @@ class LowBitMuon(torch.optim.Optimizer):
                     raise ValueError(f"param '{name}': the state dict holds no optimizer state for it; it is "
                                      "incomplete or not this optimizer's. Load a complete one")
                 codec = momentum_codec(param_format(p, group)[0], group)
-                specs = {k: EntrySpec(gshape, shape, dtype, check_kind(k), codec)
+                specs = {k: EntrySpec(gshape, shape, dtype, check_kind(k), codec,
+                                      muon_state_placements(p, k) if k in FACTOR_DIMS else None)
                          for k, (shape, dtype, gshape) in muon_state_specs(p, group).items()}
                 own = next(iter(v for k, v in self.state[p].items() if k != "step"))
                 loaded.append(check_param_state(p, name, state, specs, own if isinstance(own, DTensor) else None,
@@ -678,12 +734,28 @@ def _place_shards(exchange: OwnerExchange, work: list, matrices: list) -> None:
 
 def _orthogonaliser(matrices: list):
     """The owner's work on whole matrix ``j`` of a bucket: Newton-Schulz with its group's
-    steps and coefficients."""
-    def orthogonalise(j: int, whole: torch.Tensor) -> torch.Tensor:
-        hyper = matrices[j][2]
-        return newton_schulz(whole, hyper.ns_steps, hyper.ns_coefficients)
+    steps and coefficients, and for a momentum with a factor the new factor from the whole
+    new momentum (the side matrix, bf16) and the old column factor, which every rank of a
+    row-sharded matrix holds whole (``check_factor_param``)."""
+    def orthogonalise(j: int, whole: torch.Tensor, side: Optional[torch.Tensor]) -> tuple[torch.Tensor, tuple]:
+        cfg, tensor, hyper = matrices[j]
+        o = newton_schulz(whole, hyper.ns_steps, hyper.ns_coefficients)
+        if not cfg.factor_rank:
+            return o, ()
+        return o, tuple(x.contiguous() for x in new_factor(tensor.col_factor, side))
 
     return orthogonalise
+
+
+def _factor_extras(matrices: list) -> Optional[list[tuple[Extra, ...]]]:
+    """What the owners send back beside each matrix's result in a bucket where a momentum
+    keeps a factor: its new P (by rows) and R (by columns), bf16; None where none does (the
+    exchange then carries no side matrix). In such a bucket a matrix without a factor sends
+    its input again as its side matrix, unused."""
+    if not any(cfg.factor_rank for cfg, _, _ in matrices):
+        return None
+    return [(Extra(ROWS, t.row_factor.shape[1], torch.bfloat16), Extra(COLS, t.col_factor.shape[1], torch.bfloat16))
+            if cfg.factor_rank else () for cfg, t, _ in matrices]
 
 
 def _params_and_names(group: dict[str, Any]) -> tuple[list[torch.Tensor], Optional[list[str]]]:
@@ -710,13 +782,45 @@ def _params_and_names(group: dict[str, Any]) -> tuple[list[torch.Tensor], Option
 def muon_state_specs(p: torch.Tensor, group: dict[str, Any]) -> dict[str, tuple]:
     """State tensor name -> (local shape, dtype, global shape) of a Muon matrix: its
     momentum in the group's format (first-moment codec, the block layout of ``formats``:
-    a shard's blocks are the whole matrix's blocks of its rows) and the extra state of its
-    weight update."""
+    a shard's blocks are the whole matrix's blocks of its rows), the factor beside a 4-bit
+    momentum (bf16 P and R: the local rows and columns, ``factor_rank`` wide) and the extra
+    state of its weight update."""
     fmt, block = param_format(p, group)
     shapes = fmt.moment_shapes(MOMENTUM, tuple(local(p).shape), block)
     gshapes = fmt.moment_shapes(MOMENTUM, tuple(p.shape), block)
-    return {**{k: (shape, dtype, gshapes[k][0]) for k, (shape, dtype) in shapes.items()},
-            **weight_update_specs(p, group)}
+    specs = {k: (shape, dtype, gshapes[k][0]) for k, (shape, dtype) in shapes.items()}
+    rank = factor_rank(p, fmt, group)
+    if rank:
+        specs.update({key: ((local(p).shape[dim], rank), torch.bfloat16, (p.shape[dim], rank))
+                      for key, dim in FACTOR_DIMS.items()})
+    return {**specs, **weight_update_specs(p, group)}
+
+
+def muon_state_placements(p: torch.Tensor, key: str) -> Optional[tuple]:
+    """The DTensor placements of state ``key`` of a DTensor matrix ``p`` (None for a plain
+    one): the parameter's, but for the factor (FACTOR_DIMS), whose rows are the parameter's
+    rows (P) or columns (R): on each mesh dimension, sharded as that dimension of the
+    parameter is (then along the factor's rows), replicated where the parameter is sharded
+    along the other dimension or replicated."""
+    if not isinstance(p, DTensor):
+        return None
+    if key not in FACTOR_DIMS:
+        return tuple(p.placements)
+    dim, placements = FACTOR_DIMS[key], []
+    for pl in p.placements:
+        if not isinstance(pl, (Shard, Replicate)):  # check_factor_param refuses these
+            raise TypeError(f"the factor of a matrix placed {tuple(p.placements)}: Shard and Replicate only")
+        placements.append(Shard(0) if isinstance(pl, Shard) and pl.dim % p.dim() == dim else Replicate())
+    return tuple(placements)
+
+
+def _local_offset(p: torch.Tensor) -> tuple[int, int]:
+    """(row, column) of the whole matrix where ``p``'s local shard starts."""
+    if not isinstance(p, DTensor):
+        return 0, 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return tuple(compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)[1])
 
 
 def muon_tensor(p: torch.Tensor, group: dict[str, Any], state: dict[str, Any],
@@ -725,11 +829,12 @@ def muon_tensor(p: torch.Tensor, group: dict[str, Any], state: dict[str, Any],
     fmt, block = param_format(p, group)
     update = WEIGHT_UPDATES[group["weight_update"]] if p.dtype == torch.bfloat16 else UPDATE_NEAREST
     cfg = MuonConfig(codec=momentum_codec(fmt, group), state_bf16=fmt.plain_dtype == torch.bfloat16, block=block,
-                     weight_update=update, nesterov=group["nesterov"])
+                     weight_update=update, nesterov=group["nesterov"], factor_rank=factor_rank(p, fmt, group))
     if fmt.quantized:
         momentum, scale = local(state[f"{MOMENTUM}_codes"]).view(torch.uint8), local(state[f"{MOMENTUM}_absmax"])
     else:
         momentum, scale = local(state[MOMENTUM]), None
     extra = state.get("master", state.get("kahan_comp", state.get("master_remainder")))
+    factor = {"row_factor": local(state[ROW_FACTOR]), "col_factor": local(state[COL_FACTOR])} if cfg.factor_rank else {}
     return cfg, MuonTensor(param=local(p.data), momentum=momentum, momentum_scale=scale,
-                           extra=None if extra is None else local(extra), sr_key=sr_key)
+                           extra=None if extra is None else local(extra), sr_key=sr_key, **factor)

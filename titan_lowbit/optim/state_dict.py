@@ -55,6 +55,7 @@ class EntrySpec:
     dtype: torch.dtype
     check: str  # one of SCALE, SIGNED, SQUARE, CODES, SQUARE_CODES
     codec: int = 0  # the codes' codec (CODES / SQUARE_CODES)
+    placements: Optional[tuple] = None  # a DTensor state's placements; None: the parameter's
 
 
 def check_kind(key: str) -> str:
@@ -88,8 +89,9 @@ def check_structure(name: str, state: Any, specs: dict[str, EntrySpec], sharded:
                     layout: str) -> None:
     """Refuse a parameter's loaded ``state`` whose entries are not those of ``specs``
     (plus ``step``), or not tensors of their dtype and shape. ``sharded``: the state
-    tensor this optimizer holds for one entry if it holds DTensors (placements compared);
-    ``layout``: the optimizer settings that gave ``specs``, for the errors."""
+    tensor this optimizer holds for one entry placed like the parameter if it holds
+    DTensors (placements compared, or with a spec's own ``placements``); ``layout``: the
+    optimizer settings that gave ``specs``, for the errors."""
     if not isinstance(state, dict):
         raise ValueError(f"param '{name}': its state in the state dict is a {type(state).__name__}, not a "
                          "dict of state entries; the state dict is damaged or not an optimizer's")
@@ -123,11 +125,12 @@ def check_structure(name: str, state: Any, specs: dict[str, EntrySpec], sharded:
                 f"param '{name}': state entry '{key}' is a {type(value).__name__} where this optimizer holds a "
                 f"{have}; load a sharded optimizer state through torch.distributed.checkpoint "
                 "(set_optimizer_state_dict), which reshards it")
-        if sharded is not None and (value.placements != sharded.placements
+        placements = None if sharded is None else tuple(spec.placements or sharded.placements)
+        if sharded is not None and (tuple(value.placements) != placements
                                     or tuple(value._local_tensor.shape) != spec.local_shape):
             raise ValueError(
                 f"param '{name}': state entry '{key}' is sharded as {value.placements} with local shape "
-                f"{tuple(value._local_tensor.shape)}, this optimizer's as {sharded.placements} with "
+                f"{tuple(value._local_tensor.shape)}, this optimizer's as {placements} with "
                 f"{spec.local_shape}; load it through torch.distributed.checkpoint, which reshards it")
 
 

@@ -7,8 +7,10 @@ DTensors placed like it.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement
 
 PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
@@ -51,10 +53,11 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def like_param(p: torch.Tensor, local_state: torch.Tensor, global_shape: tuple[int, ...]) -> torch.Tensor:
+def like_param(p: torch.Tensor, local_state: torch.Tensor, global_shape: tuple[int, ...],
+               placements: Optional[tuple[Placement, ...]] = None) -> torch.Tensor:
     """A state tensor placed like parameter ``p``: ``local_state`` itself, or a DTensor with
-    ``p``'s mesh and placements over it."""
+    ``p``'s mesh and placements (or ``placements`` on that mesh) over it."""
     if not isinstance(p, DTensor):
         return local_state
-    return DTensor.from_local(local_state, p.device_mesh, p.placements, run_check=False,
-                              shape=torch.Size(global_shape), stride=contiguous_stride(global_shape))
+    return DTensor.from_local(local_state, p.device_mesh, p.placements if placements is None else placements,
+                              run_check=False, shape=torch.Size(global_shape), stride=contiguous_stride(global_shape))

@@ -25,7 +25,13 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from titan_lowbit.bitnet.weight import local_training_weight
 from titan_lowbit.optim.convert import weight_dtype_problem
 from titan_lowbit.optim.formats import STATE_FORMATS, block_of
-from titan_lowbit.optim.muon_groups import MOMENTUM_4BIT_LEVELS, USE_MUON, muon_fixed_value
+from titan_lowbit.optim.muon_groups import (
+    MOMENTUM_4BIT_FACTOR_RANK,
+    MOMENTUM_4BIT_LEVELS,
+    MOMENTUM_4BIT_OPTIONS,
+    USE_MUON,
+    muon_fixed_value,
+)
 from titan_lowbit.torchtitan.checkpoint_convert import (
     ANY_GROUP_KEY,
     GROUP_ENTRY,
@@ -50,11 +56,12 @@ DATALOADER_RANK = re.compile(r"dataloader\.dp_rank_(\d+)")
 RECORD = "titan_lowbit"
 BITNET_WEIGHTS = f"{RECORD}.bitnet_weights"
 # The param-group options a layout is read from (beside ANY_GROUP_KEY).
-RECORDED_KEYS = (*LAYOUT_KEYS, *NAME_KEYS, USE_MUON, MOMENTUM_4BIT_LEVELS)
+RECORDED_KEYS = (*LAYOUT_KEYS, *NAME_KEYS, USE_MUON, *MOMENTUM_4BIT_OPTIONS)
 LOWBIT_OPTION = {"state_format": "[optimizer] name", "decoupled_weight_decay": "[optimizer] name",
                  "block_size": "[lowbit] block_size", "weight_update": "[lowbit] weight_update",
                  "min_quantized_numel": "[lowbit] min_quantized_numel",
-                 MOMENTUM_4BIT_LEVELS: "[lowbit] muon_4bit_levels"}
+                 MOMENTUM_4BIT_LEVELS: "[lowbit] muon_4bit_levels",
+                 MOMENTUM_4BIT_FACTOR_RANK: "[lowbit] muon_4bit_factor_rank"}
 
 
 class CheckpointMismatch(ValueError):
@@ -87,10 +94,12 @@ def _layout_of(options: dict[str, Any]) -> dict[str, Any]:
               **{k: options.get(k) for k in LAYOUT_KEYS + NAME_KEYS}}
     if USE_MUON in options:
         layout[USE_MUON] = options[USE_MUON]
-        # a Muon matrix's 4-bit momentum levels, as they act (a checkpoint may not record them)
-        levels = muon_fixed_value(options, MOMENTUM_4BIT_LEVELS) if options[USE_MUON] else None
-        if levels is not None:
-            layout[MOMENTUM_4BIT_LEVELS] = levels
+        # a Muon matrix's 4-bit momentum options (levels, factor), as they act (a
+        # checkpoint may not record them)
+        for key in MOMENTUM_4BIT_OPTIONS:
+            value = muon_fixed_value(options, key) if options[USE_MUON] else None
+            if value is not None:
+                layout[key] = value
     return layout
 
 
@@ -211,10 +220,10 @@ def _layout_problem(saved: dict[str, dict[str, Any]], have: dict[str, dict[str, 
     if fp32_saved != fp32_have:
         settings.append(f"[lowbit] fp32_states selecting exactly the checkpoint's {_few(fp32_saved)}"
                         if fp32_saved else "no [lowbit] fp32_states")
-    levels = next(((saved[f][MOMENTUM_4BIT_LEVELS], have[f].get(MOMENTUM_4BIT_LEVELS)) for f in differ
-                   if MOMENTUM_4BIT_LEVELS in saved[f]), None)
-    if levels is not None and levels[0] != levels[1]:
-        settings.append(_as_setting(LOWBIT_OPTION[MOMENTUM_4BIT_LEVELS], levels[0]))
+    for key in MOMENTUM_4BIT_OPTIONS:
+        values = next(((saved[f][key], have[f].get(key)) for f in differ if key in saved[f]), None)
+        if values is not None and values[0] != values[1]:
+            settings.append(_as_setting(LOWBIT_OPTION[key], values[0]))
     if both_muon and split_saved != split_have:
         settings.append(f"[lowbit] muon_adamw_fqns giving the inner AdamW exactly the checkpoint's "
                         f"{_few(split_saved)} (2-D parameters; the others always go to AdamW)")

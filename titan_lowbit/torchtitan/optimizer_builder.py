@@ -33,6 +33,7 @@ from torchtitan.tools.logging import logger
 
 from titan_lowbit.config import LowBit, lowbit_of
 from titan_lowbit.fqn_fragments import check_every_fragment_selects, selects
+from titan_lowbit.optim.muon_groups import MOMENTUM_4BIT_FACTOR_RANK, MOMENTUM_4BIT_LEVELS, MOMENTUM_4BIT_OPTIONS
 from titan_lowbit.torchtitan.fp32_init import hand_init_masters
 from titan_lowbit.torchtitan.lowbit_optimizers import (
     FP32_ADAMW_STATE_BYTES,
@@ -62,7 +63,9 @@ def is_muon_name(name: str) -> bool:
 
 
 # The [lowbit] keys that configure the Muon names only.
-MUON_KEYS = ("muon_momentum", "muon_4bit_levels", "muon_adamw_fqns")
+MUON_KEYS = ("muon_momentum", "muon_4bit_levels", "muon_4bit_factor_rank", "muon_adamw_fqns")
+# Those of them that configure a 4-bit momentum, and LowBitMuon's option of each.
+MUON_4BIT_KEYS = {"muon_4bit_levels": MOMENTUM_4BIT_LEVELS, "muon_4bit_factor_rank": MOMENTUM_4BIT_FACTOR_RANK}
 
 
 def muon_keys_set(lowbit: LowBit) -> list[str]:
@@ -314,14 +317,15 @@ def _muon_optimizer(name: str, lowbit: LowBit, model_parts: list[nn.Module], par
         check_every_fragment_selects("muon_adamw_fqns", adamw_fqns,
                                      [n for m in model_parts for n, p in m.named_parameters() if p.requires_grad],
                                      "trainable parameter of the model")
-    if "muon_4bit_levels" in muon_keys_set(lowbit) and MUON_OPTIMIZERS[name]["state_format"] != "4bit":
-        four_bit = [n for n, o in MUON_OPTIMIZERS.items() if o["state_format"] == "4bit"]
-        raise ValueError(
-            f"[lowbit] muon_4bit_levels = {lowbit.muon_4bit_levels!r} sets the levels of a 4-bit momentum, but "
-            f"[optimizer] name = {name!r} keeps a {MUON_OPTIMIZERS[name]['state_format']} one. Choose "
-            f"{' or '.join(four_bit)}, or remove it.")
+    for key in [k for k in MUON_4BIT_KEYS if k in muon_keys_set(lowbit)]:
+        if MUON_OPTIMIZERS[name]["state_format"] != "4bit":
+            four_bit = [n for n, o in MUON_OPTIMIZERS.items() if o["state_format"] == "4bit"]
+            raise ValueError(
+                f"[lowbit] {key} = {getattr(lowbit, key)!r} {MOMENTUM_4BIT_OPTIONS[MUON_4BIT_KEYS[key]][1]}, but "
+                f"[optimizer] name = {name!r} keeps a {MUON_OPTIMIZERS[name]['state_format']} one. Choose "
+                f"{' or '.join(four_bit)}, or remove it.")
     return LowBitMuon, {**shared, "momentum": lowbit.muon_momentum, "adamw_fqns": adamw_fqns,
-                        "momentum_4bit_levels": lowbit.muon_4bit_levels,
+                        **{option: getattr(lowbit, key) for key, option in MUON_4BIT_KEYS.items()},
                         "adamw_options": adamw_options, **MUON_OPTIMIZERS[name]}
 
 

@@ -685,7 +685,8 @@ class CheckedCheckpointManager(CheckpointManager):
                 raise ValueError(
                     f"checkpoint {checkpoint_id} was written with another optimizer state layout: "
                     f"{problem}. Resume with the optimizer settings that wrote it (optimizer names, "
-                    "block_size, min_quantized_numel, weight_update of the param groups), or load the "
+                    "block_size, min_quantized_numel, weight_update, momentum_4bit_factor_rank of the param "
+                    "groups), or load the "
                     "model alone (--checkpoint.initial_load_path with --checkpoint.initial_load_model_only).")
             # a checkpoint from before a param-group option existed (unrecorded_options)
             if unrecorded := unrecorded_entries(state_dict["optimizer"].state_dict(), metadata.state_dict_metadata):
