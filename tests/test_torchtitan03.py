@@ -41,7 +41,9 @@ if torchtitan_line() != (0, 3):
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
-from conftest import ROOT, SMALL_STEPS, check_health_reported, cpu_run_env, step_losses, torchrun  # noqa: E402
+from conftest import (LAUNCHER_VARIABLE, ROOT, SMALL_STEPS, check_health_reported, cpu_run_env,  # noqa: E402
+                      step_losses, torchrun)
+from fork_launcher import WAITED_FOR_OTHER_RANKS  # noqa: E402
 from torchtitan.components.metrics import MetricsProcessor  # noqa: E402
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig, default_adamw  # noqa: E402
 from torchtitan.components.optimizer.utils import init_optim_state  # noqa: E402
@@ -829,6 +831,9 @@ def test_debug_config_trains_with_8bit_adamw_and_8bit_muon_states_at_once(straig
     assert sorted(losses) == list(range(1, 9))
     check_health_reported(log, dump / "tb", 8)
     assert float(losses[8]) < float(losses[1]) - 0.5, losses
+    if os.environ.get(LAUNCHER_VARIABLE, "fork") == "fork":
+        # rank 0 waited for the other rank's exit, not torchtitan's 2 s (tests/fork_launcher.py)
+        assert WAITED_FOR_OTHER_RANKS in log, log[-3000:]
     from titan_lowbit.torchtitan.cpu_device import CPU_PATH_NOISE
 
     noise = [line for line in log.splitlines()

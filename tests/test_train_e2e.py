@@ -18,8 +18,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import (DEBUG_CONFIG, ROOT, check_health_reported, run_once_more_after_teardown_abort, run_train,
-                      step_losses)
+from conftest import (DEBUG_CONFIG, LAUNCHER_VARIABLE, ROOT, check_health_reported,
+                      run_once_more_after_teardown_abort, run_train, step_losses)
+from fork_launcher import WAITED_FOR_OTHER_RANKS
 
 from titan_lowbit.torchtitan import cpu_device
 from titan_lowbit.torchtitan.lr_schedule import SCHEDULE_FILE
@@ -90,6 +91,9 @@ def test_loss_falls_and_checkpoint_resumes_identically(optimizer, dtype, update,
                                         "model.safetensors.index.json not found", "\x1b[",
                                         "Set timeout is now only supported"))]
     assert not noise, noise
+    if os.environ.get(LAUNCHER_VARIABLE, "fork") == "fork":
+        # rank 0 waited for the other rank's exit, not torchtitan's 2 s (tests/fork_launcher.py)
+        assert WAITED_FOR_OTHER_RANKS in proc.stderr, proc.stderr[-3000:]
     assert sorted(full) == list(range(1, STEPS + 1)), full
     first, last = float(full[1]), [float(full[s]) for s in range(STEPS - 1, STEPS + 1)]
     assert sum(last) / len(last) < first - 0.5, f"loss did not fall: {full}"
