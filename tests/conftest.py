@@ -377,14 +377,30 @@ def two_process_checkpoint(tmp_path_factory, prepared_data):
     return dump, step_losses(proc.stdout), overrides
 
 
-def resume_folder(tmp_path, checkpoint_dir):
-    """A new dump folder whose only checkpoint is ``checkpoint_dir/step-SAVE_STEP`` (a
-    link), so torchtitan resumes from it and writes its own checkpoints beside it."""
+def resume_folder(tmp_path, checkpoint_dir, step: int = SAVE_STEP):
+    """A new dump folder whose only checkpoint is ``checkpoint_dir/step-{step}`` (a link),
+    so torchtitan resumes from it and writes its own checkpoints beside it."""
     dump = tmp_path / "resumed"
     (dump / "checkpoint").mkdir(parents=True)
-    os.symlink((checkpoint_dir / f"step-{SAVE_STEP}").resolve(),
-               dump / "checkpoint" / f"step-{SAVE_STEP}")
+    os.symlink((checkpoint_dir / f"step-{step}").resolve(), dump / "checkpoint" / f"step-{step}")
     return dump
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory, prepared_data):
+    """``shared_run(*overrides)``: (dump folder, completed process) of ``run_train(*overrides,
+    "--job.dump_folder", folder)``, run once per session for the same overrides, so tests
+    that train the same run share it (test_train_e2e's torch AdamW run, which
+    test_checkpoint_convert resumes as AdamW8bit). Tests read the folder (resume_folder
+    links its checkpoints); they never change it."""
+    runs: dict[tuple[str, ...], tuple[Path, subprocess.CompletedProcess]] = {}
+
+    def run(*overrides: str) -> tuple[Path, subprocess.CompletedProcess]:
+        if overrides not in runs:
+            dump = tmp_path_factory.mktemp("shared_run")
+            runs[overrides] = dump, run_train(*overrides, "--job.dump_folder", str(dump))
+        return runs[overrides]
+    return run
 
 
 @pytest.fixture(scope="session")

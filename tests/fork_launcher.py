@@ -16,7 +16,10 @@ stderr. "First" is by time, as torchrun's error files decide it: a rank that end
 exception records when it caught it, a rank ended by a signal counts from when the server
 saw it exit (at once: the server waits on each rank's pidfd). A rank that fails because a
 peer died (gloo's "connection closed" or "reset") comes after every other failed rank, so
-the rank whose error started the failure is named, whichever the clocks say.
+the rank whose error started the failure is named, whichever the clocks say. One thing
+differs from torchrun, in time only: rank 0 of a torchtitan Trainer run waits for the other
+ranks' exit where torchtitan sleeps 2 s after training
+(_wait_for_other_ranks_instead_of_trainer_sleep says why that is safe).
 
 The server never runs torch work itself, so nothing is forked mid-computation: no thread
 pool of OpenMP, gloo or Triton exists in it yet. Variables read at import
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -51,6 +55,11 @@ RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP
                   "MASTER_ADDR", "MASTER_PORT")
 PRELOAD = ("torch", "torch.distributed.checkpoint", "torchtitan.train",
            "titan_lowbit.torchtitan")
+# torchtitan's Trainer.train ends, on rank 0, with a fixed sleep "for other ranks to complete"
+# (see _wait_for_other_ranks_instead_of_trainer_sleep).
+TRAINER_SLEEP = "time.sleep(2)"
+WAITED_FOR_OTHER_RANKS = "fork_launcher: rank 0 waited for the other ranks' exit instead of torchtitan's 2 s sleep:"
+_TRAINER_SLEEP_SITE: tuple[str, int] | None = None  # set by serve()
 GRACE_S = 10.0  # after SIGTERM, before SIGKILL
 # gloo's errors on a rank whose peer exited or was killed
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
@@ -130,6 +139,53 @@ def _record_failure(path: str) -> None:
     """When this rank failed (the system-wide monotonic clock the server reads too)."""
     with open(path, "w") as f:
         f.write(repr(time.monotonic()))
+
+
+def _trainer_sleep_site() -> tuple[str, int]:
+    """(file, first line) of the code of torchtitan's ``Trainer.train``, after checking that it
+    still holds TRAINER_SLEEP on rank 0; a torchtitan whose Trainer moved it stops the server
+    here, loudly, rather than leaving every run 2 s slower without a word."""
+    import inspect
+
+    from torchtitan.train import Trainer  # 0.2 defines it there, 0.3 imports it from trainer
+
+    source = inspect.getsource(Trainer.train)  # the method's own, under any decorator
+    if not re.search(r"if torch\.distributed\.get_rank\(\) == 0:\s*\n.*\n\s*"
+                     + re.escape(TRAINER_SLEEP), source):
+        raise RuntimeError(f"fork_launcher: torchtitan's Trainer.train ({inspect.getsourcefile(Trainer)}) no "
+                           f"longer has rank 0's {TRAINER_SLEEP} after training; update "
+                           "_wait_for_other_ranks_instead_of_trainer_sleep to what it does now")
+    code = inspect.unwrap(Trainer.train).__code__  # 0.2 wraps it in torchrun's @record
+    return code.co_filename, code.co_firstlineno
+
+
+def _wait_for_other_ranks_instead_of_trainer_sleep(site: tuple[str, int], others_gone: int) -> None:
+    """In rank 0: torchtitan's 2 s sleep after training (TRAINER_SLEEP, called from the code
+    at ``site``) becomes a wait until every other rank of the run has exited, at most those
+    2 s (``others_gone``: the read end of a pipe whose write ends only the other ranks hold,
+    so it reads end-of-file once they have all exited). Every other call of time.sleep
+    sleeps as asked.
+
+    Why the sleep exists: torchtitan added it (pytorch/torchtitan#224) so that rank 0,
+    which hosts the run's TCPStore where the workers start without torchrun's agent store
+    (as these forked ranks do), exits only after the other ranks have stopped using the
+    store (pytorch/pytorch#123969: NCCL's heartbeat monitor read it after rank 0 had
+    gone). Waiting until they have exited keeps that order, exactly instead of by a
+    guess, and costs only the time they take; where a rank outlives rank 0's 2 s (a forked
+    child of its own holding the pipe open), rank 0 goes on as torchtitan's sleep would.
+    Rank 0 prints how long it waited (WAITED_FOR_OTHER_RANKS)."""
+    real_sleep = time.sleep
+
+    def sleep(seconds: float) -> None:
+        caller = sys._getframe(1).f_code
+        if (caller.co_filename, caller.co_firstlineno) != site or seconds != 2:
+            real_sleep(seconds)
+            return
+        start = time.monotonic()
+        select.select([others_gone], [], [], seconds)
+        print(f"{WAITED_FOR_OTHER_RANKS} {time.monotonic() - start:.2f} s", file=sys.stderr, flush=True)
+
+    time.sleep = sleep
 
 
 def _rank_main(target: list[str], env: dict[str, str], cwd: str, out: str, err: str,
@@ -238,6 +294,7 @@ def _run(request: dict) -> dict:
     pids: dict[int, int] = {}
     sys.stdout.flush()
     sys.stderr.flush()
+    others_gone, other_rank_alive = os.pipe()  # see _wait_for_other_ranks_instead_of_trainer_sleep
     for rank in range(nproc):
         env = {k: v for k, v in request["env"].items() if k not in RANK_VARIABLES}
         env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
@@ -248,6 +305,11 @@ def _run(request: dict) -> dict:
         if pid == 0:
             status = 1
             try:
+                if rank == 0:
+                    os.close(other_rank_alive)
+                    _wait_for_other_ranks_instead_of_trainer_sleep(_TRAINER_SLEEP_SITE, others_gone)
+                else:
+                    os.close(others_gone)
                 status = _rank_main(request["target"], env, request["cwd"],
                                     f"{logs}/{rank}.out", f"{logs}/{rank}.err",
                                     f"{logs}/{rank}.failed")
@@ -261,6 +323,8 @@ def _run(request: dict) -> dict:
                         pass
                 os._exit(status if 0 <= status < 256 else 1)
         pids[pid] = rank
+    os.close(others_gone)
+    os.close(other_rank_alive)
 
     statuses: dict[int, int] = {}
     ended: dict[int, float] = {}  # when the server saw each rank exit
@@ -345,6 +409,8 @@ def serve() -> None:
     import importlib
     for name in PRELOAD:
         importlib.import_module(name)
+    global _TRAINER_SLEEP_SITE
+    _TRAINER_SLEEP_SITE = _trainer_sleep_site()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     replies.write(json.dumps({"ready": True}) + "\n")
     replies.flush()

@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 from conftest import SAVE_STEP, resume_folder, run_train, step_losses, stopped_run
 from optimizer_container_cases import Container, Tiny, build, step
+from test_train_e2e import VARIANTS, run_overrides
 from titan_lowbit.kernels.adamw_lowbit_ref import bf16_away, master_rebuild
 from titan_lowbit.optim import LowBitAdamW, convert_state_dict
 from titan_lowbit.torchtitan.checkpoint_layout import CheckpointMismatch, check_compatible
@@ -295,21 +296,20 @@ def assert_no_loss_jump(resumed: dict, full: dict, saved_at: int) -> None:
 
 
 @pytest.mark.trainer
-def test_torch_adamw_checkpoint_resumes_as_adamw8bit_with_bf16_weights_on_request(tmp_path, prepared_data):
-    """A run of torch's AdamW (fp32 states and weights) resumed as AdamW8bit with bf16
-    weights and master_remainder: the states are taken into 8 bits, the fp32 weights
-    into bf16 ones and their remainders (under FSDP2, 2 processes), and training
-    continues as the AdamW run does, less what bf16 weights change in the forward."""
-    overrides = ("--optimizer.name", "AdamW", "--lr_scheduler.total_steps", "8",
-                 "--validation.no-enable", "--checkpoint.enable", "--checkpoint.interval", "2",
-                 "--job.dump_folder", str(tmp_path / "adamw"))
-    full = step_losses(run_train(*overrides, "--training.steps", "4").stdout)
-    resumed = tmp_path / "resumed"
-    (resumed / "checkpoint").mkdir(parents=True)
-    (resumed / "checkpoint" / "step-2").symlink_to(tmp_path / "adamw" / "checkpoint" / "step-2")
+def test_torch_adamw_checkpoint_resumes_as_adamw8bit_with_bf16_weights_on_request(tmp_path, shared_run):
+    """A run of torch's AdamW (fp32 states and weights; test_train_e2e's, 4 steps, saved at
+    step 2) resumed as AdamW8bit with bf16 weights and master_remainder: the states are
+    taken into 8 bits, the fp32 weights into bf16 ones and their remainders (under FSDP2,
+    2 processes), and training continues as the AdamW run does, less what bf16 weights
+    change in the forward."""
+    (torch_adamw,) = [v for v in VARIANTS if v[0] == "AdamW"]
+    overrides = run_overrides(*torch_adamw)
+    dump, first = shared_run(*overrides)
+    full = step_losses(first.stdout)
+    resumed = resume_folder(tmp_path, dump / "checkpoint", 2)
     proc = run_train(*overrides, "--job.dump_folder", str(resumed), "--optimizer.name", "AdamW8bit",
                      "--lowbit.weight_dtype", "bfloat16", "--lowbit.weight_update", "master_remainder",
-                     "--lowbit.convert_optimizer_states", "--training.steps", "4")
+                     "--lowbit.convert_optimizer_states")
     lines = [line for line in proc.stdout.splitlines() if "optimizer states converted" in line]
     assert len(lines) == 2, proc.stdout[-3000:]
     assert "optimizer 'torch Adam/AdamW (fp32 or parameter-dtype moments)' -> 'titan_lowbit' " \

@@ -3,12 +3,15 @@ torchrun's workers see (compared with a real torchrun run of the same script), a
 rank stops the others and is named in a torchrun-style report that conftest's abort
 handling reads as it reads torchrun's, a run past its time is killed and the server goes
 on, and an environment the server was not started with is refused, and a variable the session
-itself sets after the server started reaches the ranks of a new server."""
+itself sets after the server started reaches the ranks of a new server. The server refuses
+to start where torchtitan's Trainer no longer sleeps 2 s on rank 0 where its ranks wait for
+the others instead (that they do: test_train_e2e, the 0.3 straight run)."""
 
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -22,6 +25,7 @@ from conftest import (
     fork_launcher,
     run_on_gloo,
 )
+import fork_launcher as server
 from fork_launcher import Launcher
 
 SHOW = """
@@ -143,3 +147,20 @@ def test_the_server_follows_a_variable_the_session_sets_after_it_started(monkeyp
     assert fork_launcher(cpu_run_env()) is not None
     monkeypatch.setenv("TITAN_LOWBIT_TEST_SET_LATER", "yes")
     assert run_on_gloo(_set_later, 2, tmp_path / "res.pt", start="fork") == "yes"
+
+
+def _train_without_the_sleep(self):
+    time.sleep(1)  # a torchtitan whose rank 0 no longer sleeps 2 s here
+
+
+def test_server_refuses_a_torchtitan_whose_trainer_moved_rank_0s_sleep(monkeypatch):
+    """The forked rank 0 replaces the 2 s sleep of torchtitan's Trainer.train by a wait for
+    the other ranks (fork_launcher._wait_for_other_ranks_instead_of_trainer_sleep); the
+    server checks at start that the sleep is where it replaces it, and stops otherwise."""
+    from torchtitan.train import Trainer
+
+    filename, _ = server._trainer_sleep_site()
+    assert filename.endswith(("torchtitan/train.py", "torchtitan/trainer.py")), filename
+    monkeypatch.setattr(Trainer, "train", _train_without_the_sleep)
+    with pytest.raises(RuntimeError, match=r"no longer has rank 0's time\.sleep\(2\)"):
+        server._trainer_sleep_site()

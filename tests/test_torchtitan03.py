@@ -41,7 +41,9 @@ if torchtitan_line() != (0, 3):
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
-from conftest import ROOT, SMALL_STEPS, check_health_reported, cpu_run_env, step_losses, torchrun  # noqa: E402
+from conftest import (LAUNCHER_VARIABLE, ROOT, SMALL_STEPS, check_health_reported, cpu_run_env,  # noqa: E402
+                      step_losses, torchrun)
+from fork_launcher import WAITED_FOR_OTHER_RANKS  # noqa: E402
 from torchtitan.components.metrics import MetricsProcessor  # noqa: E402
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig, default_adamw  # noqa: E402
 from torchtitan.components.optimizer.utils import init_optim_state  # noqa: E402
@@ -826,14 +828,16 @@ READY_OPTIMIZER_LINES = ("titan_lowbit fp32 states, weights bfloat16, bf16 updat
 
 
 # The straight run also reports the optimizer's health (and the resumed runs, without it,
-# end bit for bit where it ends: the read changes nothing).
+# end bit for bit where it ends: the read changes nothing). It and the runs resumed from it
+# take conftest.SMALL_STEPS (smaller batches, whose loss falls slower, still by more than
+# the tests below ask).
 HEALTH = ["--metrics.optimizer_health", "--metrics.enable_tensorboard"]
 
 
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory, prepared_data):
     dump = tmp_path_factory.mktemp("straight03")
-    log = train_run(dump, *CHECKPOINT, *MIXED_OPTIMIZERS, *HEALTH)
+    log = train_run(dump, *CHECKPOINT, *MIXED_OPTIMIZERS, *SMALL_STEPS, *HEALTH)
     return dump, log
 
 
@@ -847,6 +851,9 @@ def test_debug_config_trains_with_8bit_adamw_and_8bit_muon_states_at_once(straig
     assert sorted(losses) == list(range(1, 9))
     check_health_reported(log, dump / "tb", 8)
     assert float(losses[8]) < float(losses[1]) - 0.5, losses
+    if os.environ.get(LAUNCHER_VARIABLE, "fork") == "fork":
+        # rank 0 waited for the other rank's exit, not torchtitan's 2 s (tests/fork_launcher.py)
+        assert WAITED_FOR_OTHER_RANKS in log, log[-3000:]
     from titan_lowbit.torchtitan.cpu_device import CPU_PATH_NOISE
 
     noise = [line for line in log.splitlines()
@@ -869,7 +876,8 @@ def resumed_from(dump, step, *args, folder=None, **kwargs):
 @pytest.mark.trainer
 def test_resume_from_step_4_ends_bit_for_bit_where_the_straight_run_ends(straight_run, tmp_path):
     dump, log = straight_run
-    resumed, resumed_log = resumed_from(dump, 4, *CHECKPOINT, *MIXED_OPTIMIZERS, folder=tmp_path / "resumed")
+    resumed, resumed_log = resumed_from(dump, 4, *CHECKPOINT, *MIXED_OPTIMIZERS, *SMALL_STEPS,
+                                        folder=tmp_path / "resumed")
     # the checkpoint keeps the LR schedule's settings; the same ones resume without a word
     settings = json.loads((dump / "checkpoint" / "step-4" / SCHEDULE_FILE).read_text())
     assert settings["training.steps"] == 8 and "lr_scheduler.warmup_steps" in settings, settings
@@ -896,7 +904,7 @@ def test_two_process_checkpoint_continues_on_one_process_compiled(straight_run, 
     ended, every model and optimizer tensor equal."""
     dump, log = straight_run
     compiled = ["--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.no-last_save_model_only",
-                "--compile.enable", *MIXED_OPTIMIZERS]
+                "--compile.enable", *MIXED_OPTIMIZERS, *SMALL_STEPS]
     resumed, one_log = resumed_from(dump, 4, "--checkpoint.exclude_from_loading", "dataloader", *compiled,
                                     folder=tmp_path / "one", nproc=1, steps=6)
     losses, straight = step_losses(one_log), step_losses(log)

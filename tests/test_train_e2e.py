@@ -11,15 +11,15 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
 
 import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import (DEBUG_CONFIG, ROOT, check_health_reported, run_once_more_after_teardown_abort, run_train,
-                      step_losses)
+from conftest import (DEBUG_CONFIG, LAUNCHER_VARIABLE, ROOT, check_health_reported, resume_folder,
+                      run_once_more_after_teardown_abort, run_train, step_losses)
+from fork_launcher import WAITED_FOR_OTHER_RANKS
 
 from titan_lowbit.torchtitan import cpu_device
 from titan_lowbit.torchtitan.lr_schedule import SCHEDULE_FILE
@@ -70,19 +70,25 @@ def optimizer_state_storage(checkpoint) -> tuple[int, int, int]:
     return on_disk, payload, items
 
 
+def run_overrides(optimizer, dtype, update, fp32_states, more) -> tuple[str, ...]:
+    """The flags of a VARIANTS row's run: STEPS steps, a checkpoint every HALF steps (its
+    dump folder aside)."""
+    return ("--optimizer.name", optimizer, "--lowbit.weight_dtype", dtype,
+            "--lowbit.weight_update", update, "--lr_scheduler.total_steps", str(STEPS),
+            "--validation.no-enable", "--checkpoint.enable", "--checkpoint.interval", str(HALF),
+            *(("--lowbit.fp32_states", fp32_states) if fp32_states else ()), *more,
+            "--training.steps", str(STEPS))
+
+
 @pytest.mark.parametrize("optimizer,dtype,update,fp32_states,more", VARIANTS,
                          ids=["-".join(filter(None, v[:4])) for v in VARIANTS])
 def test_loss_falls_and_checkpoint_resumes_identically(optimizer, dtype, update, fp32_states, more,
-                                                       tmp_path, prepared_data):
-    dump = tmp_path / "run"
-    common = ("--optimizer.name", optimizer, "--lowbit.weight_dtype", dtype,
-              "--lowbit.weight_update", update, "--lr_scheduler.total_steps", str(STEPS),
-              "--validation.no-enable", "--job.dump_folder", str(dump),
-              "--checkpoint.enable", "--checkpoint.interval", str(HALF),
-              *(("--lowbit.fp32_states", fp32_states) if fp32_states else ()), *more)
+                                                       tmp_path, shared_run):
+    common = run_overrides(optimizer, dtype, update, fp32_states, more)
 
-    # One uninterrupted run that also writes a checkpoint at step HALF.
-    proc = run_train(*common, "--training.steps", str(STEPS))
+    # One uninterrupted run that also writes a checkpoint at step HALF (shared: the torch
+    # AdamW run is the one test_checkpoint_convert resumes as AdamW8bit).
+    dump, proc = shared_run(*common)
     full = step_losses(proc.stdout)
     # the CPU path prints none of the warnings that are wrong there (cpu_device.quiet)
     noise = [line for line in (proc.stdout + proc.stderr).splitlines()
@@ -90,6 +96,9 @@ def test_loss_falls_and_checkpoint_resumes_identically(optimizer, dtype, update,
                                         "model.safetensors.index.json not found", "\x1b[",
                                         "Set timeout is now only supported"))]
     assert not noise, noise
+    if os.environ.get(LAUNCHER_VARIABLE, "fork") == "fork":
+        # rank 0 waited for the other rank's exit, not torchtitan's 2 s (tests/fork_launcher.py)
+        assert WAITED_FOR_OTHER_RANKS in proc.stderr, proc.stderr[-3000:]
     assert sorted(full) == list(range(1, STEPS + 1)), full
     first, last = float(full[1]), [float(full[s]) for s in range(STEPS - 1, STEPS + 1)]
     assert sum(last) / len(last) < first - 0.5, f"loss did not fall: {full}"
@@ -117,11 +126,11 @@ def test_loss_falls_and_checkpoint_resumes_identically(optimizer, dtype, update,
         assert FP32_STATES_LINE.search(proc.stdout).group(1) == "2", proc.stdout[-3000:]
         assert abs(payload / n_params - state_bytes) < 1e-3, (payload / n_params, state_bytes)
 
-    # Resume from step HALF: drop the final checkpoint so HALF is the latest.
-    shutil.rmtree(ckpt_dir / f"step-{STEPS}")
-    resumed_proc = run_train(*common, "--training.steps", str(STEPS))
+    # Resume from step HALF, in a folder of its own where that is the only checkpoint.
+    resumed_dump = resume_folder(tmp_path, ckpt_dir, HALF)
+    resumed_proc = run_train(*common, "--job.dump_folder", str(resumed_dump))
     out = resumed_proc.stdout + resumed_proc.stderr
-    assert f"Loading the checkpoint from {ckpt_dir / f'step-{HALF}'}" in out, out[-3000:]
+    assert f"Loading the checkpoint from {resumed_dump / 'checkpoint' / f'step-{HALF}'}" in out, out[-3000:]
     # the checkpoint keeps the LR schedule's settings; the same ones resume without a word
     settings = json.loads((ckpt_dir / f"step-{HALF}" / SCHEDULE_FILE).read_text())
     assert settings["lr_scheduler.total_steps"] == STEPS, settings
