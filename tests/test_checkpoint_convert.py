@@ -138,6 +138,16 @@ def test_conversions_refused_naming_why():
     train(torch_amsgrad, ps, 1)
     with pytest.raises(ValueError, match="param 'w': the state dict holds amsgrad's max_exp_avg_sq"):
         convert_state_dict(torch_amsgrad.state_dict(), to=eight)
+    # Muon's momentum is no AdamW moment: a LowBitMuon's state dict, or one as the target, is refused
+    from titan_lowbit.optim import LowBitMuon
+
+    mat = [torch.nn.Parameter(torch.randn(64, 300))]
+    muon = LowBitMuon([("layer.w", mat[0])], state_format="8bit", min_quantized_numel=100)
+    train(muon, mat, 1)
+    with pytest.raises(ValueError, match="the state dict is a LowBitMuon's .* Muon's momentum has no AdamW"):
+        convert_state_dict(muon.state_dict(), to=lowbit(mat))
+    with pytest.raises(ValueError, match="the optimizer to convert into is a LowBitMuon's"):
+        convert_state_dict(lowbit(mat[:1]).state_dict(), to=muon)
 
 
 def test_fp32_weights_become_bf16_weights_and_their_exact_master_and_back():

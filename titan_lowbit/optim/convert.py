@@ -61,6 +61,7 @@ from titan_lowbit.kernels.adamw_lowbit_ref import (
 from .adamw import LowBitAdamW
 from .formats import param_format, state_specs
 from .group_options import SKIPPED
+from .muon_groups import USE_MUON
 from .tensors import like_param
 
 # Group values a conversion carries over from the source (a load restores them too).
@@ -229,6 +230,12 @@ def convert_state_dict(state_dict: dict[str, Any], to: torch.optim.Optimizer,
     if not (isinstance(state_dict, dict) and "state" in state_dict and "param_groups" in state_dict):
         raise ValueError("convert_state_dict needs an optimizer state dict with 'state' and 'param_groups'")
     saved, groups = state_dict["param_groups"], to.param_groups
+    for where, gs in (("the state dict", saved), ("the optimizer to convert into", groups)):
+        if any(USE_MUON in g for g in gs):
+            raise ValueError(f"{where} is a LowBitMuon's (its param groups carry {USE_MUON!r}): "
+                             "convert_state_dict converts AdamW states, and Muon's momentum has no AdamW "
+                             "equivalent. Resume a Muon state dict with the LowBitMuon it was saved by (the "
+                             "same state format and options), or start the optimizer state afresh")
     sizes, have = [len(g.get("params", ())) for g in saved], [len(g["params"]) for g in groups]
     if sum(sizes) != sum(have):
         raise ValueError(f"the state dict has param groups of {sizes} parameters, the optimizer to convert "
