@@ -15,8 +15,9 @@ report names the rank that failed first, its exit code or signal, with the tail 
 stderr. "First" is by time, as torchrun's error files decide it: a rank that ends with an
 exception records when it caught it, a rank ended by a signal counts from when the server
 saw it exit (at once: the server waits on each rank's pidfd). A rank that fails because a
-peer died (gloo's "connection closed" or "reset") comes after every other failed rank, so
-the rank whose error started the failure is named, whichever the clocks say. One thing
+peer died (gloo's "connection closed" or "reset": in its exception, recorded before its
+traceback is printed, or in its stderr) comes after every other failed rank, so the rank
+whose error started the failure is named, whichever the clocks say. One thing
 differs from torchrun, in time only: rank 0 of a torchtitan Trainer run waits for the other
 ranks' exit where torchtitan sleeps 2 s after training
 (_wait_for_other_ranks_instead_of_trainer_sleep says why that is safe).
@@ -135,10 +136,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _record_failure(path: str) -> None:
-    """When this rank failed (the system-wide monotonic clock the server reads too)."""
-    with open(path, "w") as f:
-        f.write(repr(time.monotonic()))
+def _record_failure(path: str, error: BaseException | None = None) -> None:
+    """When this rank failed (the system-wide monotonic clock the server reads too) and
+    whether its error is gloo's report of a peer that went away (PEER_GONE, anywhere in the
+    exception's chain). Recorded, and moved into place whole, before the traceback is
+    printed: a rank the server stops while it prints (its peer's exit seen meanwhile) is
+    still known for a consequence, not the cause."""
+    chain = []
+    while error is not None and len(chain) < 16:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    peer_gone = any(m in str(e) for e in chain for m in PEER_GONE)
+    with open(path + ".tmp", "w") as f:
+        f.write(json.dumps({"at": time.monotonic(), "peer_gone": peer_gone}))
+    os.replace(path + ".tmp", path)
 
 
 def _trainer_sleep_site() -> tuple[str, int]:
@@ -229,8 +240,8 @@ def _rank_main(target: list[str], env: dict[str, str], cwd: str, out: str, err: 
             _record_failure(failed)
         if not isinstance(e.code, int) and e.code is not None:
             print(e.code, file=sys.stderr)
-    except BaseException:
-        _record_failure(failed)
+    except BaseException as e:
+        _record_failure(failed, e)
         traceback.print_exc()
         status = 1
     return status
@@ -358,11 +369,15 @@ def _run(request: dict) -> dict:
             kill_at = None
     exits.close()
 
-    def failed_at(rank: int) -> float:
+    def failure(rank: int) -> dict:
+        """What the rank recorded when it caught its error (_record_failure); {} if nothing."""
         try:
-            return float(Path(f"{logs}/{rank}.failed").read_text())
+            return json.loads(Path(f"{logs}/{rank}.failed").read_text())
         except (FileNotFoundError, ValueError):
-            return ended[rank]
+            return {}
+
+    def failed_at(rank: int) -> float:
+        return failure(rank).get("at", ended[rank])
 
     def read(rank: int, stream: str) -> str:
         try:
@@ -374,7 +389,7 @@ def _run(request: dict) -> dict:
         """Whether the rank's error is gloo's report of a peer that went away: the
         consequence of another rank's failure, never its cause, however the clocks fall
         (a loaded machine may see the peer's exit after this rank caught the error)."""
-        return any(m in read(rank, "err")[-2000:] for m in PEER_GONE)
+        return failure(rank).get("peer_gone", False) or any(m in read(rank, "err")[-2000:] for m in PEER_GONE)
 
     failures = [rank for rank, status in statuses.items() if not _succeeded(status)]
     first_failure = None
@@ -392,7 +407,7 @@ def _run(request: dict) -> dict:
                    f"  {_describe(statuses[first_failure])}\n"
                    f"  stderr tail of rank {first_failure}:\n{tail}")
     for rank in range(nproc):
-        for stream in ("out", "err", "failed"):
+        for stream in ("out", "err", "failed", "failed.tmp"):
             Path(f"{logs}/{rank}.{stream}").unlink(missing_ok=True)
     os.rmdir(logs)
     return {"returncode": returncode, "stdout": stdout, "stderr": stderr,

@@ -164,3 +164,28 @@ def test_server_refuses_a_torchtitan_whose_trainer_moved_rank_0s_sleep(monkeypat
     monkeypatch.setattr(Trainer, "train", _train_without_the_sleep)
     with pytest.raises(RuntimeError, match=r"no longer has rank 0's time\.sleep\(2\)"):
         server._trainer_sleep_site()
+
+
+def test_a_failure_is_recorded_with_whether_a_peer_was_gone_before_its_traceback(tmp_path):
+    """A rank's failure record says when and whether its error (anywhere in the exception's
+    chain) is gloo's report of a peer that went away: the server reads that even when it
+    stopped the rank before its traceback reached stderr (a loaded machine's race)."""
+    def raised(outer: str, inner: str) -> BaseException:
+        try:
+            try:
+                raise RuntimeError(inner)
+            except RuntimeError:
+                raise RuntimeError(outer)
+        except RuntimeError as e:
+            return e
+
+    path = str(tmp_path / "0.failed")
+    before = time.monotonic()
+    server._record_failure(path, raised("destroy_process_group failed", "[pair.cc:598] Connection closed by peer"))
+    record = json.loads(open(path).read())
+    assert record["peer_gone"] is True and before <= record["at"] <= time.monotonic()
+    server._record_failure(path, raised("a real error", "another one"))
+    assert json.loads(open(path).read())["peer_gone"] is False
+    server._record_failure(path)  # a SystemExit with a code: no exception to read
+    assert json.loads(open(path).read())["peer_gone"] is False
+    assert sorted(os.listdir(tmp_path)) == ["0.failed"]
