@@ -425,7 +425,7 @@ def _factored_step(cfg: MuonConfig, t: MuonTensor, grad: torch.Tensor, hyper: Mu
     u, mw = factored_input(cfg, t, grad, hyper, factor, flag)
     o = newton_schulz(u, hyper.ns_steps, hyper.ns_coefficients)
     del u
-    new = tuple(x.contiguous() for x in new_factor(t.col_factor, mw))  # a QR's Q may be column-major
+    new = new_factor(t.col_factor, mw)
     del mw
     staged = store_factored(cfg, t, grad, hyper, factor, new, flag)
     shape = tuple(t.param.shape)

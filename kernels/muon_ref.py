@@ -167,8 +167,9 @@ def factor_product(row_factor: torch.Tensor, col_factor: torch.Tensor) -> torch.
 
 def orthonormal_columns(x: torch.Tensor) -> torch.Tensor:
     """The Q of the reduced QR decomposition of ``x`` ``[n, k]`` (n >= k), in fp32: ``k``
-    orthonormal columns spanning ``x``'s (any others where ``x`` has a lower rank)."""
-    return torch.linalg.qr(x.to(torch.float32), mode="reduced").Q
+    orthonormal columns spanning ``x``'s (any others where ``x`` has a lower rank),
+    row-major (the kernels read a factor so; LAPACK's Q comes column-major)."""
+    return torch.linalg.qr(x.to(torch.float32), mode="reduced").Q.contiguous()
 
 
 def initial_col_factor(cols: int, rank: int, key: int) -> torch.Tensor:

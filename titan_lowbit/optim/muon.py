@@ -742,7 +742,7 @@ def _orthogonaliser(matrices: list):
         o = newton_schulz(whole, hyper.ns_steps, hyper.ns_coefficients)
         if not cfg.factor_rank:
             return o, ()
-        return o, tuple(x.contiguous() for x in new_factor(tensor.col_factor, side))
+        return o, new_factor(tensor.col_factor, side)
 
     return orthogonalise
 
